@@ -1,0 +1,65 @@
+"""The ``megastart`` command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from importlib import import_module
+
+DESCRIPTION = """\
+megastart keeps Megatron-core RL post-training jobs (verl, AReaL) from dying
+while they start:
+
+  rank0_loader  one reader per job touches the HF checkpoint files and streams
+                each tensor to the ranks that need it (no host-RAM OOM when
+                every rank of a node would load the model);
+  comm_warmup   connects exactly the NCCL communicators the train step uses,
+                right after a recover load, while GPU memory is light (no GPU
+                OOM inside the first step after a restart).
+
+Switch it on for a run:   verl:  python -m verl.trainer.main_ppo ... +megastart=on
+                          any process: import megastart.autoload
+Switch it off:            MEGASTART_DISABLE=1   (or megastart.enabled=false)
+Block one plugin:         MEGASTART_BLOCKLIST=comm_warmup
+                          (or megastart.blocklist=[comm_warmup])
+"""
+
+# subcommand -> module defining HELP, add_arguments(parser) and run(args) -> int
+COMMANDS = {
+    "status": "megastart.status",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="megastart",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    modules = {}
+    for name, module_name in COMMANDS.items():
+        module = modules[name] = import_module(module_name)
+        command = sub.add_parser(
+            name,
+            help=module.HELP,
+            description=module.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_arguments(command)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(message)s",
+        stream=sys.stderr,
+    )
+    if args.command is None:
+        parser.print_help()
+        return 0
+    return int(modules[args.command].run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Hook specifications: the contract between megastart's hosts and its plugins.
+
+A host (through its engine adapter) calls these hooks at three points of a
+training job's start. Plugins implement them with ``@megastart.hookimpl`` and
+register through the ``megastart`` entry-point group.
+
+Every hook is **collective**: all training ranks call it together, in the same
+order. An implementation therefore must
+
+- issue the same collectives on every rank, in the same order;
+- bound every collective with a timeout;
+- turn a failure on one rank into an error on every rank, and raise it
+  (never swallow it and "fall back": a half-done collective leaves the
+  communicators in an unknown state);
+- never touch a process group it did not create or obtain from the
+  ``parallel_state`` in the context (other programs share the registry).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pluggy import HookspecMarker
+
+if TYPE_CHECKING:
+    from megastart.records import EngineContext, LoadReport
+
+PROJECT = "megastart"
+
+hookspec = HookspecMarker(PROJECT)
+
+# -------------------------------------------------------------------------
+# Model loading
+# -------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def on_model_load(engine: EngineContext, checkpoint: str) -> LoadReport | None:
+    """Called where the host would load Hugging Face weights into its freshly
+    built Megatron model.
+
+    Stops at first non-None result, see :ref:`firstresult`. When every
+    implementation returns ``None``, the host's own loader runs.
+
+    Runs on every training rank, together, after the model chunks are built
+    (parameters allocated, on their device) and before the optimizer sees
+    them. On a restart it runs too: the recover checkpoint overwrites the
+    weights afterwards (see ``post_recover_load``).
+
+    :param engine: this rank's engine; ``engine.model_chunks`` are the chunks to
+        fill in place.
+    :param checkpoint: the HF checkpoint directory (``config.json`` and
+        ``*.safetensors``).
+    :returns: a :class:`~megastart.records.LoadReport` when this implementation
+        loaded every parameter of every chunk; ``None`` to let the next
+        implementation (and finally the host) load. The decision to return
+        ``None`` must be the same on every rank and taken before any bulk
+        collective.
+
+    An implementation must not leave parameters half-written: it either fills
+    every element of every local parameter or raises on every rank. It must
+    not keep process groups or communicator buffers alive after returning.
+    """
+
+
+# -------------------------------------------------------------------------
+# Restart
+# -------------------------------------------------------------------------
+
+
+@hookspec
+def post_recover_load(engine: EngineContext, checkpoint: str) -> None:
+    """Called right after the host restored a recover (resume) checkpoint.
+
+    Runs on every training rank, together, after the weights and optimizer
+    state are restored and, where the host colocates its rollout engine, after
+    that engine was paused and offloaded; before the weights are pushed to the
+    rollout engine. GPU memory is light here, which makes it the place to
+    allocate what the first step would otherwise allocate at its peak.
+
+    :param engine: this rank's engine (``engine.is_restart`` is true).
+    :param checkpoint: the recover checkpoint's path, as the host names it.
+
+    An implementation must not change parameters or optimizer state, and must
+    not issue collectives on groups shared with the rollout engine (e.g. the
+    weight-update group).
+    """
+
+
+# -------------------------------------------------------------------------
+# Training
+# -------------------------------------------------------------------------
+
+
+@hookspec
+def pre_first_step(engine: EngineContext) -> None:
+    """Called once per process, right before the first training step.
+
+    Runs on every training rank, together, on a fresh start and on a restart
+    alike, before the host's first forward/backward (e.g. verl's first
+    ``train_batch``, AReaL's first ``compute_logp`` or ``ppo_update``).
+
+    :param engine: this rank's engine.
+
+    An implementation must not change parameters or optimizer state.
+    """

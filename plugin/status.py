@@ -1,0 +1,97 @@
+"""``megastart status``: what is installed, what is blocked, and the resolved settings."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+HELP = "show plugins, engine adapters and resolved settings"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def run(args: argparse.Namespace) -> int:
+    report = collect()
+    print(json.dumps(report, indent=2) if args.json else render(report))
+    return 0
+
+
+def collect() -> dict[str, Any]:
+    """The status as plain data (the ``--json`` output)."""
+    import megastart
+    from megastart import manager
+    from megastart.engines import load_adapter
+
+    pm = manager.get_plugin_manager()
+    settings = manager.get_settings()
+    plugins = []
+    for ep in manager.plugin_entry_points():
+        plugin = pm.get_plugin(ep.name)
+        hooks = sorted(caller.name for caller in pm.get_hookcallers(plugin) or []) if plugin else []
+        plugins.append(
+            {
+                "name": ep.name,
+                "distribution": ep.dist.name if ep.dist else None,
+                "version": ep.dist.version if ep.dist else None,
+                "hooks": hooks,
+                "blocked": pm.is_blocked(ep.name),
+                "loaded": plugin is not None,
+            }
+        )
+    engines = []
+    for ep in manager.engine_entry_points():
+        adapter = load_adapter(ep.name)
+        compat = adapter.compatibility()
+        engines.append(
+            {
+                "name": ep.name,
+                "host": adapter.host,
+                "supported": adapter.requirement,
+                "installed_version": compat.installed_version,
+                "compatible": compat.compatible,
+                "reason": compat.reason,
+            }
+        )
+    return {
+        "version": megastart.__version__,
+        "enabled": settings.enabled,
+        "plugins": plugins,
+        "engines": engines,
+        "settings": settings.as_dict(),
+    }
+
+
+def render(report: dict[str, Any]) -> str:
+    lines = [
+        f"megastart {report['version']} — {'enabled' if report['enabled'] else 'DISABLED'}",
+        "",
+    ]
+    lines.append("plugins (entry-point group 'megastart'):")
+    for p in report["plugins"]:
+        state = "BLOCKED" if p["blocked"] else ("loaded" if p["loaded"] else "not loaded")
+        hooks = ", ".join(p["hooks"]) or "-"
+        lines.append(
+            f"  {p['name']:<16} {state:<10} {p['distribution']} {p['version']}  hooks: {hooks}"
+        )
+    if not report["plugins"]:
+        lines.append("  (none installed)")
+    lines += ["", "engine adapters (entry-point group 'megastart.engines'):"]
+    for e in report["engines"]:
+        state = "compatible" if e["compatible"] else f"NOT compatible ({e['reason']})"
+        lines.append(
+            f"  {e['host']:<8} {e['name']}\n"
+            f"           supports {e['supported']}; installed {e['installed_version'] or '-'}: {state}"
+        )
+    if not report["engines"]:
+        lines.append("  (none installed)")
+    lines += ["", "settings (value  <- source):"]
+    for key, entry in report["settings"].items():
+        if "source" in entry:
+            lines.append(f"  {key:<28} {entry['value']!r:<24} <- {entry['source']}")
+        else:
+            for field, sub in entry.items():
+                lines.append(f"  {key + '.' + field:<28} {sub['value']!r:<24} <- {sub['source']}")
+    return "\n".join(lines)
