@@ -128,3 +128,15 @@ class EngineAdapter(ABC):
 
 
 _MISSING = object()
+
+
+def unwrap(owner: object, attribute: str) -> None:
+    """Undo ``wrapt.wrap_function_wrapper(owner, attribute, ...)``.
+
+    The pair of OpenTelemetry's ``unwrap``; works with wrapt 1.x and 2.x alike.
+    """
+    current = (
+        vars(owner).get(attribute) if isinstance(owner, type) else getattr(owner, attribute, None)
+    )
+    if current is not None and hasattr(current, "__wrapped__"):
+        setattr(owner, attribute, current.__wrapped__)

@@ -1,0 +1,63 @@
+"""``megastart status`` tells a user what is installed, blocked and set."""
+
+from __future__ import annotations
+
+import json
+
+from pyrun import run_python
+
+STATUS = "import sys; from megastart.cli import main; sys.exit(main(sys.argv[1:] or {argv!r}))"
+
+
+def status(*argv: str, **env: str):
+    return run_python(STATUS.format(argv=list(argv)), env=env)
+
+
+def test_status_json_has_the_documented_keys():
+    out = json.loads(status("status", "--json").stdout)
+    assert {"version", "enabled", "plugins", "engines", "settings"} <= set(out)
+    loader = next(p for p in out["plugins"] if p["name"] == "rank0_loader")
+    assert loader["distribution"] == "megastart" and loader["hooks"] == ["on_model_load"]
+    assert loader["blocked"] is False and loader["version"] == out["version"]
+    toy = next(e for e in out["engines"] if e["name"] == "megastart_toyhost.future")
+    assert toy == {
+        "name": "megastart_toyhost.future",
+        "host": "toyhost",
+        "supported": "megastart-toyplugin>=99",
+        "installed_version": "1.0.0",
+        "compatible": False,
+        "reason": "requested megastart-toyplugin>=99 but found megastart-toyplugin 1.0.0",
+    }
+
+
+def test_status_json_shows_blocked_plugins_and_setting_sources():
+    out = json.loads(
+        status(
+            "status",
+            "--json",
+            MEGASTART_BLOCKLIST="comm_warmup",
+            MEGASTART_RANK0_LOADER_BUCKET_MB="64",
+        ).stdout
+    )
+    warmup = next(p for p in out["plugins"] if p["name"] == "comm_warmup")
+    assert warmup["blocked"] is True and warmup["hooks"] == []
+    assert out["settings"]["rank0_loader"]["bucket_mb"] == {
+        "value": 64,
+        "source": "env:MEGASTART_RANK0_LOADER_BUCKET_MB",
+    }
+    assert out["settings"]["blocklist"] == {
+        "value": ["comm_warmup"],
+        "source": "env:MEGASTART_BLOCKLIST",
+    }
+
+
+def test_status_text_at_a_glance():
+    text = status("status", MEGASTART_DISABLE="1").stdout
+    assert "DISABLED" in text and "rank0_loader" in text and "<- env:MEGASTART_DISABLE" in text
+
+
+def test_help_says_how_to_switch_it_on_and_off():
+    text = status("--help").stdout
+    assert (
+        "+megastart=on" in text and "MEGASTART_DISABLE=1" in text and "MEGASTART_BLOCKLIST" in text
+    )
