@@ -1,0 +1,235 @@
+"""The AReaL adapter: megastart's hooks inside ``areal.engine.megatron_engine``.
+
+Where each hook runs (AReaL 1.0.4):
+
+- ``on_model_load`` replaces ``MegatronEngine._load_model_from_hf`` (called by
+  ``initialize`` on every start, restarts included); ``None`` runs AReaL's own
+  loader.
+- ``post_recover_load`` right after ``MegatronEngine.load`` restored a recover
+  checkpoint (``RecoverHandler._load_checkpoint``: DCP format, a
+  ``recover_checkpoint`` directory), before ``update_weights``. In AReaL builds
+  whose ``RecoverHandler.load`` has the colocated protocol, that load comes after
+  the rollout's pause and offload; in 1.0.4 the colocated offload happens later,
+  in ``PPOTrainer._apply_initial_offload_policy`` (see the README for what to
+  set there).
+- ``pre_first_step`` before the first ``train_batch`` / ``forward_batch`` /
+  ``eval_batch``: ``compute_logp`` and ``ppo_update`` (and SFT, reward and DPO
+  training) reach the Megatron step only through these.
+
+Every hook is collective, and AReaL's schedulers retry failed RPCs (Ray on a
+timeout, Slurm and local on an HTTP 500 saying "timeout"). After a hook failed,
+every later megastart hook in the process raises that failure again instead of
+issuing collectives that the other ranks, which did not retry, never join.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import weakref
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import wrapt
+
+from megastart.engines.base import EngineAdapter, unwrap
+
+log = logging.getLogger("megastart")
+
+
+@dataclass(kw_only=True, slots=True)
+class ArealSettings:
+    """Settings of the AReaL adapter (section ``areal``, variables ``MEGASTART_AREAL_*``)."""
+
+    skip_hf_load_on_recover: bool = False
+    """Defer the HF load that ``MegatronEngine.initialize`` always runs. When the
+    engine's next weight-touching call is a recover load that restores the model
+    and the optimizer (``recover.no_load_optim=false``), the HF load never runs;
+    any other call (a fresh start's first step, ``save``, ``offload``,
+    ``update_weights``, a load without optimizer) runs the deferred HF load first
+    and refreshes the optimizer's main parameters from it."""
+
+
+class HookFailedBefore(RuntimeError):
+    """A megastart hook was reached again after a hook failed in this process."""
+
+
+class ArealAdapter(EngineAdapter):
+    host = "areal"
+    module = "areal.engine.megatron_engine"
+    requirement = "areal>=1.0.4,<1.1"
+    wraps = {
+        "MegatronEngine._load_model_from_hf": ("self", "path"),
+        "MegatronEngine.load": ("self", "meta"),
+        "MegatronEngine.train_batch": ("self", "input_"),
+        "MegatronEngine.forward_batch": ("self", "input_"),
+        "MegatronEngine.eval_batch": ("self", "input_"),
+        "MegatronEngine.save": ("self", "meta"),
+        "MegatronEngine.update_weights": ("self", "meta"),
+        "MegatronEngine.offload": ("self",),
+    }
+    megastart_settings = ArealSettings
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._failure: tuple[str, BaseException] | None = None
+        self._first_step_done = False
+        self._restarted: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._deferred: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+    def _attach(self, module: ModuleType) -> None:
+        wrapt.wrap_function_wrapper(module, "MegatronEngine._load_model_from_hf", self._load_hf)
+        wrapt.wrap_function_wrapper(module, "MegatronEngine.load", self._load)
+        wrapt.wrap_function_wrapper(module, "MegatronEngine.train_batch", self._step)
+        wrapt.wrap_function_wrapper(module, "MegatronEngine.forward_batch", self._step)
+        wrapt.wrap_function_wrapper(module, "MegatronEngine.eval_batch", self._step)
+        wrapt.wrap_function_wrapper(module, "MegatronEngine.save", self._uses_weights)
+        wrapt.wrap_function_wrapper(module, "MegatronEngine.update_weights", self._uses_weights)
+        wrapt.wrap_function_wrapper(module, "MegatronEngine.offload", self._uses_weights)
+
+    def _detach(self, module: ModuleType) -> None:
+        unwrap(module.MegatronEngine, "_load_model_from_hf")
+        unwrap(module.MegatronEngine, "load")
+        unwrap(module.MegatronEngine, "train_batch")
+        unwrap(module.MegatronEngine, "forward_batch")
+        unwrap(module.MegatronEngine, "eval_batch")
+        unwrap(module.MegatronEngine, "save")
+        unwrap(module.MegatronEngine, "update_weights")
+        unwrap(module.MegatronEngine, "offload")
+
+    # -- wrappers: (wrapped, instance, args, kwargs) -------------------------
+
+    def _load_hf(self, wrapped, instance, args, kwargs):  # type: ignore[no-untyped-def]
+        path = _argument(args, kwargs, 0, "path")
+        if not instance.initialized and _settings().skip_hf_load_on_recover:
+            self._deferred[instance] = path
+            log.info("megastart: deferring the HF load of %s (skip_hf_load_on_recover)", path)
+            return None
+        report = self._call_hook("on_model_load", engine=self.context(instance), checkpoint=path)
+        if report is None:
+            return wrapped(*args, **kwargs)
+        return None
+
+    def _load(self, wrapped, instance, args, kwargs):  # type: ignore[no-untyped-def]
+        meta = _argument(args, kwargs, 0, "meta")
+        recover = is_recover_load(meta)
+        if recover and meta.with_optim and instance in self._deferred:
+            path = self._deferred.pop(instance)
+            log.info(
+                "megastart: HF load of %s skipped: the recover checkpoint %s restores "
+                "the model and the optimizer",
+                path,
+                meta.path,
+            )
+        self._resolve_deferred(instance)
+        result = wrapped(*args, **kwargs)
+        if recover:
+            self._restarted.add(instance)
+            context = self.context(instance, is_restart=True)
+            self._call_hook("post_recover_load", engine=context, checkpoint=meta.path)
+        return result
+
+    def _step(self, wrapped, instance, args, kwargs):  # type: ignore[no-untyped-def]
+        self._resolve_deferred(instance)
+        if not self._first_step_done:
+            context = self.context(instance, is_restart=instance in self._restarted)
+            self._call_hook("pre_first_step", engine=context)
+            self._first_step_done = True
+        return wrapped(*args, **kwargs)
+
+    def _uses_weights(self, wrapped, instance, args, kwargs):  # type: ignore[no-untyped-def]
+        self._resolve_deferred(instance)
+        return wrapped(*args, **kwargs)
+
+    # -- helpers --------------------------------------------------------------
+
+    def context(self, engine: Any, *, is_restart: bool = False) -> Any:
+        """The ``EngineContext`` of one AReaL ``MegatronEngine``."""
+        from importlib import metadata
+
+        from megatron.core import parallel_state
+
+        from megastart.manager import get_settings
+        from megastart.records import EngineContext
+
+        return EngineContext(
+            host=self.host,
+            host_version=metadata.version("areal"),
+            model_chunks=[unwrap_chunk(chunk) for chunk in engine.model],
+            parallel_state=parallel_state,
+            device=engine.device if engine.device is not None else "cpu",
+            dtype=engine.dtype,
+            hf_config=getattr(engine, "hf_config", None),
+            is_restart=is_restart,
+            settings=get_settings(),
+            extra={"areal_engine": engine},
+        )
+
+    def _call_hook(self, name: str, **kwargs: Any) -> Any:
+        from megastart.manager import call_hook
+
+        if self._failure is not None:
+            failed, error = self._failure
+            raise HookFailedBefore(
+                f"megastart: not running {name}: {failed} already failed in this process "
+                f"({type(error).__name__}: {error}). An RPC that reaches a megastart hook "
+                "again was retried on this rank; re-running a collective on some ranks "
+                "only would hang. Restart the job (and keep AReaL's retries of engine "
+                "calls at max_retries=1)."
+            ) from error
+        try:
+            return call_hook(name, **kwargs)
+        except BaseException as error:
+            self._failure = (name, error)
+            raise
+
+    def _resolve_deferred(self, engine: Any) -> None:
+        """Run the HF load deferred by ``skip_hf_load_on_recover``, if still pending."""
+        path = self._deferred.pop(engine, None)
+        if path is None:
+            return
+        start = time.perf_counter()
+        with engine.device:
+            engine._load_model_from_hf(path)
+        if engine.optimizer is not None:
+            engine.optimizer.reload_model_params()
+        log.info(
+            "megastart: ran the deferred HF load of %s (%.2f s): no recover load with "
+            "optimizer state came first",
+            path,
+            time.perf_counter() - start,
+        )
+
+
+def is_recover_load(meta: Any) -> bool:
+    """Whether ``MegatronEngine.load(meta)`` restores a recover checkpoint.
+
+    ``RecoverHandler._load_checkpoint`` loads DCP from
+    ``Saver.get_recover_checkpoint_path(...)``, a directory named
+    ``recover_checkpoint``.
+    """
+    path = os.path.normpath(str(meta.path))
+    return meta.weight_format == "dcp" and os.path.basename(path) == "recover_checkpoint"
+
+
+def unwrap_chunk(chunk: Any) -> Any:
+    """The Megatron model inside AReaL's DDP / Float16Module wrappers."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.transformer.module import Float16Module
+
+    while isinstance(chunk, (DistributedDataParallel, Float16Module)):
+        chunk = chunk.module
+    return chunk
+
+
+def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str) -> Any:
+    return kwargs[name] if name in kwargs else args[index]
+
+
+def _settings() -> ArealSettings:
+    from megastart.manager import get_settings
+
+    section: ArealSettings = get_settings().section(ArealAdapter.host)
+    return section
