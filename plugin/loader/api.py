@@ -1,0 +1,365 @@
+"""``load_hf_checkpoint``: the rank-0 loader's phases, run on every rank, each all-or-none.
+
+1. metadata: rank 0 reads ``config.json`` and the safetensors headers, broadcasts them;
+2. plan: every rank maps its parameters to HF tensors and checks shapes; the
+   demands are all-gathered and every rank computes the same buckets;
+3. stream: each reader broadcasts its group's buckets, every rank copies its
+   shards into its parameters;
+4. verify: every element of every local parameter was written exactly once.
+
+A failure in any phase, on any rank, is raised on every rank (``all_or_none``),
+within ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import time
+from collections.abc import Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from megastart.distributed import all_or_none, destroy_group, new_group
+from megastart.loader.checkpoint import CheckpointMeta, TensorReader, read_metadata
+from megastart.loader.mappings import MappingTable, known_architectures, mapping_for
+from megastart.loader.plan import (
+    Need,
+    ParamInfo,
+    Plan,
+    PlanError,
+    build_plan,
+    check_config,
+    resolve_needs,
+    unused_tensors,
+)
+from megastart.loader.progress import Progress
+from megastart.loader.settings import Rank0LoaderSettings
+from megastart.loader.transforms import TRANSFORMS, Shard
+from megastart.loader.transport import (
+    Channel,
+    Prefetcher,
+    node_key,
+    open_data_groups,
+    reader_groups,
+    slot_view,
+)
+from megastart.loader.verify import Coverage
+from megastart.records import LoadReport
+
+if TYPE_CHECKING:
+    import torch
+
+    from megastart.records import EngineContext
+
+log = logging.getLogger("megastart")
+
+PLUGIN = "rank0_loader"
+
+
+class UnsupportedArchitecture(PlanError):
+    """No mapping table serves the checkpoint's architecture (the host's loader should run)."""
+
+
+def load_for_engine(engine: EngineContext, checkpoint: str) -> LoadReport | None:
+    """``on_model_load`` of the ``rank0_loader`` plugin: ``None`` (one warning) if no table fits."""
+    if engine.settings is not None:
+        settings = engine.settings.section(PLUGIN)
+    else:
+        from megastart.manager import get_settings
+
+        settings = get_settings().section(PLUGIN)
+    try:
+        return load_hf_checkpoint(engine.model_chunks, checkpoint, settings=settings)
+    except (
+        UnsupportedArchitecture
+    ) as e:  # decided on every rank from the same metadata, before any transfer
+        if _rank() == 0:
+            log.warning(
+                "megastart: rank0_loader does not handle this checkpoint: %s; the host's loader runs",
+                e,
+            )
+        return None
+
+
+def load_hf_checkpoint(
+    model_chunks: Sequence[Any], checkpoint_dir: str, *, settings: Rank0LoaderSettings | None = None
+) -> LoadReport:
+    """Load an HF checkpoint into this rank's Megatron-core model chunks, reading it once.
+
+    Collective: every rank of the default process group calls it together. The
+    parallel layout comes from ``megatron.core.parallel_state``.
+
+    :param model_chunks: this rank's ``GPTModel`` chunks, one per virtual pipeline
+        stage (unwrapped from DDP / Float16Module).
+    :param checkpoint_dir: the directory with ``config.json`` and ``*.safetensors``.
+    :param settings: the ``rank0_loader`` settings; by default the resolved ones.
+    :returns: what was read and sent, and how long it took (same figures on every rank).
+    :raises megastart.distributed.CollectiveError: on every rank, when any rank
+        failed; the message names the first failing rank and its error.
+    :raises UnsupportedArchitecture: on every rank, when no mapping table serves
+        the checkpoint's ``architectures``.
+    """
+    settings = settings or _default_settings()
+    start = time.perf_counter()
+    control = new_group(None, backend="gloo", timeout_s=settings.timeout_s)
+    try:
+        return _load(list(model_chunks), str(checkpoint_dir), settings, control, start)
+    finally:
+        destroy_group(control)
+
+
+def _load(
+    chunks: list[Any], checkpoint: str, settings: Rank0LoaderSettings, control: Any, start: float
+) -> LoadReport:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    phase = partial(all_or_none, timeout_s=settings.timeout_s, control=control)
+
+    box: list[Any] = [None]
+    with phase(f"{PLUGIN}: reading the metadata of {checkpoint!r}"):
+        if rank == 0:
+            box[0] = read_metadata(checkpoint, allow_pickle=settings.allow_pickle)
+    dist.broadcast_object_list(box, src=0, group=control)
+    meta: CheckpointMeta = box[0]
+    table = _table(meta)
+
+    with phase(f"{PLUGIN}: planning"):
+        params, tensors = _local_params(chunks)
+        megatron = _megatron_config(chunks[0])
+        check_config(table, meta.config, megatron, checkpoint=checkpoint)
+        shard = _shard(megatron)
+        needs = resolve_needs(params, table, meta, shard)
+        device = tensors[next(iter(tensors))].device if tensors else _cpu()
+
+    mine = (node_key(), [(n.hf, n.param.dtype) for n in needs], device.type)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine, group=control)
+    groups = reader_groups(settings.reader, [g[0] for g in gathered])
+    group = next(g for g in groups if rank in g)
+
+    with phase(f"{PLUGIN}: planning"):
+        unused = unused_tensors([g[1] for g in gathered], meta, table)
+        if unused and settings.strict:
+            raise PlanError(_unused_message(unused, checkpoint, strict=True))
+        plan = build_plan(
+            [gathered[r][1] for r in group], meta, bucket_bytes=settings.bucket_mb * 2**20
+        )
+        backend = _backend(settings.transport, {g[2] for g in gathered})
+    if unused and rank == 0:
+        log.warning("megastart: %s", _unused_message(unused, checkpoint, strict=False))
+
+    data_group = open_data_groups(groups, backend=backend, timeout_s=settings.timeout_s)
+    try:
+        coverage = Coverage()
+        with phase(f"{PLUGIN}: streaming {checkpoint!r}"):
+            channel = Channel(data_group, group[0], device if backend == "nccl" else _cpu())
+            stream = _Stream(plan, needs, tensors, shard, coverage, channel, len(group))
+            read, sent = (
+                stream.run_reader(meta, settings) if rank == group[0] else stream.run_receiver()
+            )
+        with phase(f"{PLUGIN}: verifying"):
+            coverage.check(params)
+    finally:
+        destroy_group(data_group)
+
+    totals: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(totals, (read, sent), group=control)
+    return LoadReport(
+        plugin=PLUGIN,
+        checkpoint=checkpoint,
+        bytes_read=sum(r for r, _ in totals),
+        bytes_broadcast=sum(s for _, s in totals),
+        seconds=time.perf_counter() - start,
+        reader_ranks=tuple(g[0] for g in groups),
+        tensors=len(meta.tensors) - len(unused),
+    )
+
+
+class _Stream:
+    """One rank's side of the stream: send (reader) or receive, then copy shards into parameters."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        needs: list[Need],
+        tensors: dict[tuple[int, str], torch.Tensor],
+        shard: Shard,
+        coverage: Coverage,
+        channel: Channel,
+        group_size: int,
+    ) -> None:
+        self.plan = plan
+        self.tensors = tensors
+        self.shard = shard
+        self.coverage = coverage
+        self.channel = channel
+        self.group_size = group_size
+        bucket_of = {slot.name: i for i, b in enumerate(plan.buckets) for slot in b.slots}
+        self.needs_by_bucket: list[list[Need]] = [[] for _ in plan.buckets]
+        for need in needs:
+            self.needs_by_bucket[bucket_of[need.hf[0]]].append(need)
+
+    def run_reader(self, meta: CheckpointMeta, settings: Rank0LoaderSettings) -> tuple[int, int]:
+        """Read, broadcast and apply every bucket; returns (bytes read, bytes broadcast)."""
+        import torch
+
+        device = self.channel.device
+        reader = TensorReader(meta)
+        prefetch = Prefetcher(
+            reader, self.plan, pin=device.type == "cuda", timeout_s=settings.timeout_s
+        )
+        progress = Progress(self.plan.nbytes, enabled=settings.progress)
+        staging = torch.empty(self.plan.max_bucket_bytes, dtype=torch.uint8, device=device)
+        sent = 0
+        try:
+            for index, bucket in enumerate(self.plan.buckets):
+                try:
+                    host = prefetch.next()
+                except BaseException as e:
+                    if self.group_size > 1:
+                        self.channel.send_error(
+                            f"reader rank {_rank()} failed: {type(e).__name__}: {e}"
+                        )
+                    raise
+                payload = host[: bucket.nbytes]
+                if device.type == "cuda":
+                    payload = staging[: bucket.nbytes].copy_(payload, non_blocking=True)
+                if self.group_size > 1:
+                    self.channel.send(payload)
+                    sent += bucket.nbytes
+                self._apply(index, payload)
+                if device.type == "cuda":
+                    torch.cuda.current_stream().synchronize()  # the host buffer is refilled next
+                prefetch.release(host)
+                progress.advance(bucket.nbytes)
+        finally:
+            prefetch.close()
+        return reader.bytes_read, sent
+
+    def run_receiver(self) -> tuple[int, int]:
+        import torch
+
+        buffer = torch.empty(
+            self.plan.max_bucket_bytes, dtype=torch.uint8, device=self.channel.device
+        )
+        for index in range(len(self.plan.buckets)):
+            self._apply(index, self.channel.receive(buffer))
+        return 0, 0
+
+    def _apply(self, index: int, payload: torch.Tensor) -> None:
+        import torch
+
+        slots = {slot.name: slot for slot in self.plan.buckets[index].slots}
+        with torch.no_grad():
+            for need in self.needs_by_bucket[index]:
+                inputs = [slot_view(payload, slots[name]) for name in need.hf]
+                param = self.tensors[(need.param.chunk, need.param.local_name)]
+                for first, stop, piece in TRANSFORMS[need.transform].pieces(
+                    inputs, need.param.shape, self.shard
+                ):
+                    param.data[first:stop].copy_(piece)
+                    self.coverage.record(need.param, first, stop)
+
+
+def _table(meta: CheckpointMeta) -> MappingTable:
+    for arch in meta.architectures:
+        table = mapping_for(arch)
+        if table is not None:
+            return table
+    raise UnsupportedArchitecture(
+        f"config.json of {meta.directory!r} names architectures {meta.architectures}, which no "
+        f"mapping table serves (known: {known_architectures()}); register one through the "
+        "entry-point group 'megastart.mappings'"
+    )
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def _local_params(chunks: list[Any]) -> tuple[list[ParamInfo], dict[tuple[int, str], torch.Tensor]]:
+    """This rank's parameters with canonical names (global layer numbers, from Megatron itself)."""
+    params: list[ParamInfo] = []
+    tensors: dict[tuple[int, str], torch.Tensor] = {}
+    for index, chunk in enumerate(chunks):
+        decoder = getattr(chunk, "decoder", None)
+        layers = getattr(decoder, "layers", [])
+        global_layer = {str(i): str(layer.layer_number - 1) for i, layer in enumerate(layers)}
+        for name, tensor in chunk.named_parameters():
+            canonical = _canonical(name, global_layer)
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            params.append(ParamInfo(index, name, canonical, tuple(tensor.shape), dtype))
+            tensors[(index, name)] = tensor
+    return params, tensors
+
+
+def _canonical(name: str, global_layer: dict[str, str]) -> str:
+    found = _LAYER.match(name)
+    return (
+        name if found is None else f"decoder.layers.{global_layer[found[1]]}.{name[found.end() :]}"
+    )
+
+
+def _megatron_config(chunk: Any) -> dict[str, Any]:
+    config = chunk.config
+    values = {f.name: getattr(config, f.name, None) for f in dataclasses.fields(config)}
+    values["share_embeddings_and_output_weights"] = getattr(
+        chunk, "share_embeddings_and_output_weights", None
+    )
+    return values
+
+
+def _shard(megatron: dict[str, Any]) -> Shard:
+    from megatron.core import parallel_state
+
+    heads = megatron["num_attention_heads"]
+    return Shard(
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+        num_heads=heads,
+        num_query_groups=megatron.get("num_query_groups") or heads,
+        head_dim=megatron.get("kv_channels") or megatron["hidden_size"] // heads,
+    )
+
+
+def _backend(transport: str, device_types: set[str]) -> str:
+    if transport == "auto":
+        return "nccl" if device_types == {"cuda"} else "gloo"
+    if transport == "nccl" and device_types != {"cuda"}:
+        raise PlanError(
+            f"rank0_loader.transport=nccl needs CUDA parameters on every rank, found {sorted(device_types)}; "
+            "use transport=auto or gloo"
+        )
+    return transport
+
+
+def _unused_message(unused: list[str], checkpoint: str, *, strict: bool) -> str:
+    shown = ", ".join(repr(n) for n in unused[:5]) + (
+        f" (and {len(unused) - 5} more)" if len(unused) > 5 else ""
+    )
+    if strict:
+        return (
+            f"checkpoint {checkpoint!r} holds {len(unused)} tensor(s) no Megatron parameter uses: {shown}; "
+            "the model built is missing layers the checkpoint has, or set rank0_loader.strict=false"
+        )
+    return f"rank0_loader: {len(unused)} tensor(s) of {checkpoint!r} feed no parameter and were not read: {shown}"
+
+
+def _default_settings() -> Rank0LoaderSettings:
+    from megastart.manager import get_settings
+
+    return get_settings().sections.get(PLUGIN) or Rank0LoaderSettings()
+
+
+def _cpu() -> torch.device:
+    import torch
+
+    return torch.device("cpu")
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0

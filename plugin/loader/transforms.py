@@ -1,0 +1,165 @@
+"""Transforms: how full HF tensors become this rank's shard of one Megatron parameter.
+
+Each transform does two things, both on the receiving rank:
+
+* ``check(hf, local_shape, shard)``: the problems (empty if none) with the HF
+  tensors (``(name, shape)`` pairs) for a parameter of ``local_shape`` on this
+  shard; run in the plan phase, before any byte moves.
+* ``pieces(inputs, local_shape, shard)``: ``(first_row, stop_row, tensor)``
+  blocks that together make the local parameter; the receiver copies each into
+  those rows of the parameter and records them for the coverage check. Writing
+  blocks in place avoids materialising a fused full-size tensor.
+
+Rows are along dim 0, the dim Megatron's column-parallel layers split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+Shape = tuple[int, ...]
+Piece = tuple[int, int, "torch.Tensor"]
+Named = tuple[str, Shape]
+"""An HF tensor's name and shape."""
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """Where this rank's parameter sits in the tensor-parallel split, and the attention dims."""
+
+    tp_rank: int
+    tp_size: int
+    num_heads: int
+    num_query_groups: int
+    head_dim: int
+
+
+class Transform(Protocol):
+    def check(self, hf: Sequence[Named], local: Shape, shard: Shard) -> list[str]: ...
+
+    def pieces(
+        self, inputs: Sequence[torch.Tensor], local: Shape, shard: Shard
+    ) -> Iterator[Piece]: ...
+
+
+def _expect(hf: Sequence[Named], wanted: Sequence[Shape]) -> list[str]:
+    return [
+        f"HF tensor {name!r} has shape {list(got)}, expected {list(want)}"
+        for (name, got), want in zip(hf, wanted, strict=True)
+        if tuple(got) != tuple(want)
+    ]
+
+
+class Replicated:
+    """Every rank holds the whole tensor (norms)."""
+
+    def check(self, hf: Sequence[Named], local: Shape, shard: Shard) -> list[str]:
+        return _expect(hf, [local])
+
+    def pieces(self, inputs: Sequence[torch.Tensor], local: Shape, shard: Shard) -> Iterator[Piece]:
+        yield 0, local[0], inputs[0]
+
+
+class RowParallel:
+    """Megatron's row-parallel layers (``linear_proj``, ``linear_fc2``) split the input dim (1)."""
+
+    def check(self, hf: Sequence[Named], local: Shape, shard: Shard) -> list[str]:
+        return _expect(hf, [(local[0], local[1] * shard.tp_size, *local[2:])])
+
+    def pieces(self, inputs: Sequence[torch.Tensor], local: Shape, shard: Shard) -> Iterator[Piece]:
+        n = local[1]
+        yield 0, local[0], inputs[0][:, shard.tp_rank * n : (shard.tp_rank + 1) * n]
+
+
+class Vocab:
+    """Embedding / output rows: the padded vocabulary split along dim 0; padded rows are zero."""
+
+    def check(self, hf: Sequence[Named], local: Shape, shard: Shard) -> list[str]:
+        ((name, got),) = hf
+        padded = local[0] * shard.tp_size
+        if tuple(got[1:]) != tuple(local[1:]) or got[0] > padded:
+            return [
+                f"HF tensor {name!r} has shape {list(got)}, expected [V, {', '.join(map(str, local[1:]))}] "
+                f"with V <= {padded} (Megatron's padded vocabulary)"
+            ]
+        return []
+
+    def pieces(self, inputs: Sequence[torch.Tensor], local: Shape, shard: Shard) -> Iterator[Piece]:
+        import torch
+
+        (full,) = inputs
+        n = local[0]
+        start = shard.tp_rank * n
+        have = max(0, min(n, full.shape[0] - start))
+        if have:
+            yield 0, have, full[start : start + have]
+        if have < n:
+            yield have, n, torch.zeros((n - have, *local[1:]), dtype=full.dtype, device=full.device)
+
+
+class GateUp:
+    """SwiGLU ``linear_fc1`` = [gate shard; up shard] on each TP rank."""
+
+    def check(self, hf: Sequence[Named], local: Shape, shard: Shard) -> list[str]:
+        if local[0] % 2:
+            return [f"the fused gate/up parameter has an odd number of rows {local[0]}"]
+        full = (local[0] // 2 * shard.tp_size, *local[1:])
+        return _expect(hf, [full, full])
+
+    def pieces(self, inputs: Sequence[torch.Tensor], local: Shape, shard: Shard) -> Iterator[Piece]:
+        n = local[0] // 2
+        rows = slice(shard.tp_rank * n, (shard.tp_rank + 1) * n)
+        yield 0, n, inputs[0][rows]
+        yield n, 2 * n, inputs[1][rows]
+
+
+class Qkv:
+    """Fused QKV (weight or bias): per query group ``[its q heads; k; v]``; TP splits by group."""
+
+    def check(self, hf: Sequence[Named], local: Shape, shard: Shard) -> list[str]:
+        heads, groups, d, tp = (
+            shard.num_heads,
+            shard.num_query_groups,
+            shard.head_dim,
+            shard.tp_size,
+        )
+        if heads % groups or groups % tp:
+            return [
+                f"tensor-parallel size {tp} must divide the {groups} query groups (KV heads), "
+                f"which must divide the {heads} attention heads; choose a TP size that divides {groups}"
+            ]
+        rest = tuple(local[1:])
+        if local[0] != (heads + 2 * groups) * d // tp:
+            return [
+                f"the fused QKV parameter needs (heads + 2 * query groups) * head_dim / TP = "
+                f"({heads} + 2 * {groups}) * {d} / {tp} rows, it has {local[0]}"
+            ]
+        return _expect(hf, [(heads * d, *rest), (groups * d, *rest), (groups * d, *rest)])
+
+    def pieces(self, inputs: Sequence[torch.Tensor], local: Shape, shard: Shard) -> Iterator[Piece]:
+        q, k, v = inputs
+        d = shard.head_dim
+        q_rows = shard.num_heads // shard.num_query_groups * d
+        per_group = q_rows + 2 * d
+        local_groups = shard.num_query_groups // shard.tp_size
+        for j in range(local_groups):
+            g = shard.tp_rank * local_groups + j
+            base = j * per_group
+            yield base, base + q_rows, q[g * q_rows : (g + 1) * q_rows]
+            yield base + q_rows, base + q_rows + d, k[g * d : (g + 1) * d]
+            yield base + q_rows + d, base + per_group, v[g * d : (g + 1) * d]
+
+
+TRANSFORMS: dict[str, Transform] = {
+    "replicated": Replicated(),
+    "row_parallel": RowParallel(),
+    "vocab": Vocab(),
+    "gate_up": GateUp(),
+    "qkv": Qkv(),
+}
+"""Transform name (as used in mapping rules) -> transform."""
