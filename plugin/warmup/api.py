@@ -1,0 +1,178 @@
+"""``warmup_communicators``: connect the train step's communicators now, while memory is light.
+
+Collective over the training ranks (WORLD). The ranks first check in over a
+gloo group of megastart's own, bounded by ``timeout_s``: a rank that never
+arrives makes the others raise instead of waiting in a communicator's
+creation. Then each rank plans its steps (:mod:`~megastart.warmup.groups`,
+:mod:`~megastart.warmup.ops`), and all agree that every rank could; then they
+run the steps, each bounded by ``timeout_s``, and agree again. A failure on any
+rank is raised on every rank (:func:`megastart.distributed.all_or_none`).
+
+A failed warmup leaves communicators half-connected, so a second call in the
+same process (a host retrying its RPC) re-raises the first failure instead of
+issuing collectives that the other ranks will never match.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from megastart.records import WarmupReport
+from megastart.warmup.settings import CommWarmupSettings
+
+if TYPE_CHECKING:
+    from megastart.records import EngineContext
+
+log = logging.getLogger("megastart")
+
+API_TRIGGER = "warmup_communicators"
+_WHEN = {"post_recover_load": "post_recover", "pre_first_step": "first_step"}
+
+_report: WarmupReport | None = None
+"""This process's successful warmup."""
+_failure: BaseException | None = None
+"""This process's failed warmup, re-raised by every later call."""
+
+
+def warmup_communicators(
+    *,
+    settings: CommWarmupSettings | None = None,
+    model_config: Any = None,
+    parallel_state: ModuleType | None = None,
+    trigger: str = API_TRIGGER,
+) -> WarmupReport:
+    """Connect every communicator the Megatron train step uses, in every message-size class.
+
+    Call on every training rank together, after Megatron's parallel state is
+    initialised.
+
+    :param settings: the ``comm_warmup`` settings (default: this process's
+        resolved settings).
+    :param model_config: the model's ``TransformerConfig``: selects the operations
+        that depend on it (sequence parallel, batched pipeline p2p, MoE
+        dispatcher, context-parallel exchange). ``None`` warms every variant.
+    :param parallel_state: the ``megatron.core.parallel_state`` module in use.
+    :param trigger: what ran it, for the report.
+    :raises megastart.distributed.CollectiveError: on every rank, if any rank
+        failed or did not arrive within ``timeout_s``; and on every later call.
+    """
+    global _report, _failure
+    if _failure is not None:
+        raise _failure
+    settings = settings if settings is not None else _settings()
+    if parallel_state is None:
+        from megatron.core import parallel_state
+    try:
+        _report = _warmup(settings, model_config, parallel_state, trigger)
+    except BaseException as e:
+        _failure = e
+        raise
+    return _report
+
+
+def warmup_for_engine(engine: EngineContext, trigger: str) -> WarmupReport | None:
+    """The ``comm_warmup`` hooks: warm once per process, at the hook ``when`` selects.
+
+    :param trigger: ``"post_recover_load"`` or ``"pre_first_step"``.
+    :returns: the report, or ``None`` when this hook is not the one to run it or
+        the warmup already ran in this process.
+    """
+    settings = _settings(engine)
+    if settings.when != "both" and settings.when != _WHEN[trigger]:
+        return None
+    if _report is not None:
+        return None
+    chunks = engine.model_chunks
+    return warmup_communicators(
+        settings=settings,
+        model_config=getattr(chunks[0], "config", None) if chunks else None,
+        parallel_state=engine.parallel_state,
+        trigger=trigger,
+    )
+
+
+def reset_state() -> None:
+    """Forget this process's warmup, success or failure.
+
+    Only for a process that destroyed Megatron's parallel state and built a
+    new one (tests, demos): the new groups are cold again.
+    """
+    global _report, _failure
+    _report = _failure = None
+
+
+def _warmup(
+    settings: CommWarmupSettings, model_config: Any, parallel_state: ModuleType, trigger: str
+) -> WarmupReport:
+    import torch.distributed as dist
+
+    from megastart.distributed import CollectiveError, all_or_none, destroy_group, new_group
+    from megastart.warmup import groups, ops
+
+    timeout_s = settings.timeout_s
+    start = time.perf_counter()
+    try:  # creating the check-in group waits for every rank, at most timeout_s
+        control = new_group(None, backend="gloo", timeout_s=timeout_s)
+    except Exception as e:
+        raise CollectiveError(
+            f"comm_warmup: rank {dist.get_rank()}: the training ranks did not all start the "
+            f"warmup within timeout_s={timeout_s:g} s (a rank died, hung, or does not run it); "
+            f"no communicator was touched: {type(e).__name__}: {e}"
+        ) from e
+    try:
+        with all_or_none("comm_warmup: plan", timeout_s=timeout_s, control=control):
+            warm = groups.step_groups(parallel_state, model_config)
+            steps = ops.plan(
+                warm,
+                message_bytes=settings.message_bytes,
+                model_config=model_config,
+                parallel_state=parallel_state,
+            )
+        free_before = _gpu_free_bytes()
+        with all_or_none("comm_warmup: run", timeout_s=timeout_s, control=control):
+            done = ops.perform(steps, timeout_s=timeout_s)
+        free_after = _gpu_free_bytes()
+    finally:
+        destroy_group(control)
+    report = WarmupReport(
+        trigger=trigger,
+        groups=tuple(dict.fromkeys(group for group, _ in done)),
+        operations=tuple(done),
+        seconds=time.perf_counter() - start,
+        gpu_free_before=free_before,
+        gpu_free_after=free_after,
+    )
+    if dist.get_rank() == 0:
+        log.info("megastart: %s", report.summary())
+    return report
+
+
+def _gpu_free_bytes() -> int | None:
+    """Free device memory after returning PyTorch's unused cached blocks (``None`` off CUDA).
+
+    Emptying the cache first makes the difference between two readings what
+    NCCL allocated, not what PyTorch's allocator happened to hold; it also hands
+    NCCL the memory it is about to ``cudaMalloc``.
+    """
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return int(torch.cuda.mem_get_info()[0])
+
+
+def _settings(engine: EngineContext | None = None) -> CommWarmupSettings:
+    """The ``comm_warmup`` section of the engine's settings, else of this process's."""
+    if engine is not None and engine.settings is not None:
+        resolved = engine.settings
+    else:
+        from megastart.manager import get_settings
+
+        resolved = get_settings()
+    section = resolved.sections.get("comm_warmup")
+    return section if section is not None else CommWarmupSettings()
