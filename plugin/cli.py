@@ -28,6 +28,7 @@ Block one plugin:         MEGASTART_BLOCKLIST=comm_warmup
 # subcommand -> module defining HELP, add_arguments(parser) and run(args) -> int
 COMMANDS = {
     "status": "megastart.status",
+    "bench": "megastart.bench",
 }
 
 

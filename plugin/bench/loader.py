@@ -1,0 +1,331 @@
+"""Load one random HF checkpoint into one Megatron layout with megastart's loader and
+with the strategies users have today, in one run, on this machine:
+
+  every_rank_full  every rank materialises the whole checkpoint, then copies its
+                   slices (verl's legacy loader);
+  stage_reader     tensor-parallel rank 0 of each pipeline stage reads the whole
+                   stage, then scatters the TP shards (mbridge's default);
+  mmap_slices      every rank mmaps the files and reads only its own slices
+                   (AReaL's loader).
+
+For each: wall seconds, node peak memory (sum over the ranks of their PSS,
+sampled every 20 ms), transient memory (peak minus the steady state after the
+load), and bytes read from the checkpoint files. Also the physical limits of
+this machine: one reader's read throughput and gloo's broadcast throughput.
+Every strategy's weights are checked against megastart's (a checksum per rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+HELP = "megastart's loader against every-rank, stage-reader and mmap-slice loading"
+
+STRATEGIES = ("megastart", "every_rank_full", "stage_reader", "mmap_slices")
+
+TARGETS = {
+    "bytes_read_vs_checkpoint": "megastart's bytes read = the checkpoint's size",
+    "transient_below_every_rank_full": "megastart's transient node memory >= 8x below every_rank_full's",
+    "wall_vs_fastest": "megastart's wall time <= 1.5x the fastest strategy's",
+    "wall_vs_limit": "megastart's wall time <= 1.3x max(read time, broadcast time)",
+}
+
+BROADCAST_PROBE_BYTES = 256 * 2**20
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ranks", type=int, default=4, help="world size (default: 4)")
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default: 2)")
+    parser.add_argument("--pp", type=int, default=2, help="pipeline-parallel size (default: 2)")
+    parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank")
+    parser.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel size (MoE architectures)"
+    )
+    parser.add_argument("--arch", default="qwen2", help="model architecture (default: qwen2)")
+    parser.add_argument(
+        "--size-gb", type=float, default=1.0, help="checkpoint size to generate, in GB (default: 1)"
+    )
+    parser.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=None,
+        help="load this HF checkpoint instead of generating one (--arch/--size-gb ignored)",
+    )
+    parser.add_argument(
+        "--strategies",
+        default=",".join(STRATEGIES),
+        help=f"comma-separated subset of {','.join(STRATEGIES)} (megastart is always run)",
+    )
+    parser.add_argument("--json", type=Path, default=None, help="also write the results to FILE")
+    parser.add_argument(
+        "--sample-ms", type=float, default=20.0, help="PSS sampling period (default: 20)"
+    )
+    parser.add_argument(
+        "--timeout-s", type=float, default=600.0, help="bound on every distributed step"
+    )
+    parser.add_argument(
+        "--workdir", type=Path, default=None, help="where to write the generated checkpoint"
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class Layout:
+    ranks: int
+    tp: int
+    pp: int
+    vpp: int | None = None
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        if self.ranks % (self.tp * self.pp):
+            raise ValueError(
+                f"--ranks {self.ranks} is not a multiple of --tp {self.tp} x --pp {self.pp}"
+            )
+        if (self.ranks // self.pp) % self.ep:
+            raise ValueError(
+                f"--ep {self.ep} must divide the ranks of one pipeline stage ({self.ranks // self.pp})"
+            )
+
+    @property
+    def dp(self) -> int:
+        return self.ranks // (self.tp * self.pp)
+
+    def describe(self) -> str:
+        parts = [f"TP{self.tp}", f"PP{self.pp}", f"DP{self.dp}"]
+        if self.vpp:
+            parts.insert(2, f"VPP{self.vpp}")
+        if self.ep > 1:
+            parts.append(f"EP{self.ep}")
+        return f"{self.ranks} ranks = " + " x ".join(parts)
+
+
+@dataclass(kw_only=True, slots=True)
+class StrategyResult:
+    implementation: str
+    wall_s: float
+    node_peak_bytes: int
+    transient_bytes: int
+    steady_bytes: int
+    bytes_read: int
+    checksums: list[str]
+    weights_match_megastart: bool = True
+    sampler: dict[str, float] = field(default_factory=dict)
+
+
+def run(args: argparse.Namespace) -> int:
+    layout = Layout(ranks=args.ranks, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep)
+    chosen = _chosen_strategies(args.strategies)
+    with tempfile.TemporaryDirectory(prefix="megastart-bench-", dir=args.workdir) as tmp:
+        checkpoint = args.checkpoint or _make_checkpoint(args.arch, args.size_gb, Path(tmp))
+        results = measure(
+            checkpoint, layout, chosen, sample_s=args.sample_ms / 1e3, timeout_s=args.timeout_s
+        )
+    results["command"] = (
+        "megastart " + " ".join(sys.argv[1:]) if sys.argv[1:] else "megastart bench loader"
+    )
+    print(render(results))
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"\nresults written to {args.json}")
+    mismatched = [n for n, s in results["strategies"].items() if not s["weights_match_megastart"]]
+    return 1 if mismatched else 0
+
+
+def measure(
+    checkpoint: Path,
+    layout: Layout,
+    strategies: tuple[str, ...],
+    *,
+    sample_s: float = 0.02,
+    timeout_s: float = 600.0,
+) -> dict[str, Any]:
+    """Run the limits and every strategy; the results as plain data (the ``--json`` output)."""
+    from megastart.bench import limits
+    from megastart.bench.strategies import checkpoint_files
+    from megastart.launch import RankPool
+    from megastart.loader.checkpoint import read_metadata
+
+    meta = read_metadata(checkpoint, allow_pickle=False)
+    files = checkpoint_files(meta)
+    checkpoint_bytes = sum(os.path.getsize(f) for f in files)
+    limits.read_throughput(files)  # warm the page cache: every strategy starts from the same state
+    read_bytes, read_s = limits.read_throughput(files)
+    probe = min(BROADCAST_PROBE_BYTES, checkpoint_bytes)
+    with RankPool(layout.ranks, timeout_s=timeout_s) as pool:
+        broadcast_s = max(pool.run(limits.broadcast_throughput, probe))
+    results: dict[str, Any] = {
+        "architecture": meta.architectures[0] if meta.architectures else None,
+        "layout": asdict(layout) | {"dp": layout.dp},
+        "checkpoint": str(checkpoint),
+        "checkpoint_bytes": checkpoint_bytes,
+        "checkpoint_tensors": len(meta.tensors),
+        "checkpoint_files": len(files),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "limits": {
+            "read_gbps": read_bytes / read_s / 1e9,
+            "broadcast_gbps": probe / broadcast_s / 1e9,
+            "read_s": checkpoint_bytes / (read_bytes / read_s),
+            "broadcast_s": checkpoint_bytes / (probe / broadcast_s),
+        },
+        "strategies": {},
+    }
+    for name in strategies:
+        results["strategies"][name] = asdict(
+            _measure_strategy(name, checkpoint, layout, sample_s=sample_s, timeout_s=timeout_s)
+        )
+    reference = results["strategies"]["megastart"]["checksums"]
+    for result in results["strategies"].values():
+        result["weights_match_megastart"] = result["checksums"] == reference
+    results["targets"] = _targets(results)
+    return results
+
+
+def _measure_strategy(
+    name: str, checkpoint: Path, layout: Layout, *, sample_s: float, timeout_s: float
+) -> StrategyResult:
+    """One strategy in a fresh world, so no strategy inherits another's heap or state."""
+    from megastart.bench import strategies
+    from megastart.bench.memory import PssSampler, node_pss_bytes
+    from megastart.launch import RankPool
+
+    with RankPool(layout.ranks, timeout_s=timeout_s) as pool:
+        pids = pool.run(os.getpid)
+        pool.run(strategies.build_model, str(checkpoint), asdict(layout))
+        pool.run(strategies.settle)
+        with PssSampler(pids, period_s=sample_s) as sampler:
+            per_rank = pool.run(strategies.load, name, str(checkpoint))
+        pool.run(strategies.settle)
+        steady = node_pss_bytes(pids)
+        checksums = pool.run(strategies.checksum)
+        pool.run(strategies.teardown)
+    return StrategyResult(
+        implementation=strategies.IMPLEMENTATIONS[name],
+        wall_s=max(r["wall_s"] for r in per_rank),
+        node_peak_bytes=sampler.peak_bytes,
+        transient_bytes=max(sampler.peak_bytes - steady, 0),
+        steady_bytes=steady,
+        bytes_read=sum(r["bytes_read"] for r in per_rank),
+        checksums=checksums,
+        sampler={
+            "samples": sampler.samples,
+            "mean_period_ms": sampler.mean_period_s * 1e3,
+            "cpu_share": sampler.cpu_share,
+        },
+    )
+
+
+def _targets(results: dict[str, Any]) -> dict[str, Any]:
+    strategies = results["strategies"]
+    ours = strategies["megastart"]
+    limit_s = max(results["limits"]["read_s"], results["limits"]["broadcast_s"])
+    fastest = min(s["wall_s"] for s in strategies.values())
+    ratios: dict[str, tuple[float | None, str, float]] = {
+        "bytes_read_vs_checkpoint": (ours["bytes_read"] / results["checkpoint_bytes"], "==", 1.0),
+        "wall_vs_fastest": (ours["wall_s"] / fastest, "<=", 1.5),
+        "wall_vs_limit": (ours["wall_s"] / limit_s, "<=", 1.3),
+    }
+    if "every_rank_full" in strategies:
+        below = strategies["every_rank_full"]["transient_bytes"] / max(ours["transient_bytes"], 1)
+        ratios["transient_below_every_rank_full"] = (below, ">=", 8.0)
+    out = {}
+    for key, (value, op, bound) in ratios.items():
+        met = {
+            "==": abs(value - bound) < 0.01,
+            "<=": value <= bound,
+            ">=": value >= bound,
+        }[op]
+        out[key] = {"value": value, "target": f"{op} {bound:g}", "met": met, "what": TARGETS[key]}
+    return out
+
+
+def render(results: dict[str, Any]) -> str:
+    """The human-readable report: one table, the limits, the targets, how it was measured."""
+    gb = 1e9
+    layout = Layout(**{k: v for k, v in results["layout"].items() if k != "dp"})
+    lim = results["limits"]
+    strategies = results["strategies"]
+    ours = strategies["megastart"]
+    lines = [
+        f"megastart bench loader — {results['architecture']}, "
+        f"{results['checkpoint_bytes'] / gb:.2f} GB checkpoint "
+        f"({results['checkpoint_tensors']} tensors in {results['checkpoint_files']} files), "
+        f"{layout.describe()}, gloo on {results['machine']['cpus']} CPU cores",
+        "",
+        f"{'strategy':<16} {'wall s':>7} {'x ms':>6} {'node peak GB':>13} {'transient GB':>13} "
+        f"{'x ms':>7} {'read GB':>8} {'x ckpt':>7}  weights = megastart",
+    ]
+    for name, s in strategies.items():
+        lines.append(
+            f"{name:<16} {s['wall_s']:>7.2f} {s['wall_s'] / ours['wall_s']:>6.2f} "
+            f"{s['node_peak_bytes'] / gb:>13.2f} {s['transient_bytes'] / gb:>13.3f} "
+            f"{s['transient_bytes'] / max(ours['transient_bytes'], 1):>7.1f} "
+            f"{s['bytes_read'] / gb:>8.2f} {s['bytes_read'] / results['checkpoint_bytes']:>7.2f}  "
+            f"{'yes' if s['weights_match_megastart'] else 'NO'} ({len(s['checksums'])} ranks)"
+        )
+    lines += [
+        "",
+        "x ms: ratio to megastart's figure. Limits measured in this run: one reader reads the "
+        f"files at {lim['read_gbps']:.2f} GB/s ({lim['read_s']:.2f} s for the checkpoint); "
+        f"gloo broadcasts to {layout.ranks} ranks at {lim['broadcast_gbps']:.2f} GB/s "
+        f"({lim['broadcast_s']:.2f} s for the checkpoint).",
+        "",
+        "targets (reported, not asserted):",
+    ]
+    for target in results["targets"].values():
+        lines.append(
+            f"  {'met    ' if target['met'] else 'NOT met'}  {target['value']:7.3f} {target['target']:<7} "
+            f"{target['what']}"
+        )
+    lines += ["", "implementations:"]
+    lines += [f"  {name:<16} {s['implementation']}" for name, s in strategies.items()]
+    samplers = [s["sampler"] for s in strategies.values()]
+    lines += [
+        "",
+        "how it was measured:",
+        "  wall s       each rank times its load between a barrier before and one after; the slowest"
+        " rank's time;",
+        "  node peak    the highest sum over the ranks of PSS: private anonymous memory (RssAnon,"
+        " /proc/<pid>/status) read every "
+        f"{min(s['mean_period_ms'] for s in samplers):.0f}-{max(s['mean_period_ms'] for s in samplers):.0f} ms"
+        " plus the share of file-backed and shared pages (Pss_File + Pss_Shmem, /proc/<pid>/smaps_rollup,"
+        " which costs ms per read) read every 10th sample, by a thread of the benchmark that used"
+        f" {max(s['cpu_share'] for s in samplers):.0%} of a core at most;",
+        "  transient    node peak minus the node's PSS after the load, once every rank ran"
+        " gc.collect() and malloc_trim(0);",
+        "  bytes read   bytes copied out of the checkpoint files, counted in each strategy's read"
+        " path (megastart: its LoadReport.bytes_read), summed over the ranks. The page cache is"
+        " warm for every strategy (the files are read once before the limits are measured), so"
+        " /proc/<pid>/io read_bytes would be 0 and is not used; rchar would miss mmap reads and"
+        " count gloo's socket traffic.",
+    ]
+    return "\n".join(lines)
+
+
+def _chosen_strategies(text: str) -> tuple[str, ...]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(STRATEGIES))
+    if unknown:
+        raise SystemExit(f"--strategies: unknown {unknown}; choose from {', '.join(STRATEGIES)}")
+    return tuple(n for n in STRATEGIES if n == "megastart" or n in names)
+
+
+def _make_checkpoint(arch: str, size_gb: float, directory: Path) -> Path:
+    from megastart.demo.checkpoints import make_checkpoint, scaled_config
+
+    start = time.perf_counter()
+    path = directory / f"{arch}-{size_gb:g}gb"
+    make_checkpoint(scaled_config(arch, int(size_gb * 1e9)), path)
+    print(
+        f"generated a {size_gb:g} GB {arch} checkpoint in {time.perf_counter() - start:.1f} s",
+        file=sys.stderr,
+    )
+    return path

@@ -1,0 +1,327 @@
+"""The loading strategies the benchmark compares, as rank functions for a RankPool.
+
+Every strategy converts HF tensors to Megatron shards with megastart's own
+mapping tables and transforms (:mod:`megastart.loader.mappings`,
+:mod:`megastart.loader.transforms`), so all of them write the same values;
+only how the bytes get from the files to the ranks differs:
+
+* ``megastart``: :func:`megastart.load_hf_checkpoint` (one reader, broadcast).
+* ``every_rank_full``: every rank holds a private copy of the whole checkpoint.
+* ``stage_reader``: tensor-parallel rank 0 reads its stage, then scatters.
+* ``mmap_slices``: every rank reads only its slices from the mmapped files.
+
+The rank process keeps the model it built between calls (:data:`_STATE`), since
+the benchmark builds, loads, measures and checksums in separate pool runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from megastart.loader.checkpoint import CheckpointMeta
+    from megastart.loader.plan import Need
+    from megastart.loader.transforms import Piece, Shard
+
+IMPLEMENTATIONS = {
+    "megastart": "real: megastart.load_hf_checkpoint (reader=global, transport=gloo)",
+    "every_rank_full": (
+        "re-implementation of verl's legacy loader (before verl PR #330 every rank ran "
+        "from_pretrained, verl/utils/model.py _load_hf_model, and copied its slices): every "
+        "rank reads every tensor into a private copy, then copies its shards"
+    ),
+    "stage_reader": (
+        "re-implementation of mbridge Bridge.load_weights(memory_efficient=False) "
+        "(mbridge/core/bridge.py _load_weights_impl): TP rank 0 of each stage reads all its "
+        "chunk's tensors (SafeTensorIO.load_some_hf_weight: safe_open + get_tensor), then "
+        "per parameter builds every TP rank's shard and torch.distributed.scatter()s them"
+    ),
+    "mmap_slices": (
+        "re-implementation of AReaL load_weights_from_hf_with_mbridge_fast "
+        "(areal/models/mcore/hf_load.py): every rank safe_open()s the files and reads only "
+        "its TP slices through get_slice(), in a thread pool of min(8, cpus // world) workers"
+    ),
+}
+
+_STATE: dict[str, Any] = {}
+"""This rank's model chunks and checkpoint metadata, from :func:`build_model` until :func:`teardown`."""
+
+
+# --- rank functions (run through RankPool.run) -------------------------------
+
+
+def build_model(checkpoint: str, layout: dict[str, Any]) -> None:
+    """Initialise Megatron for ``layout`` and build this rank's chunks in the checkpoint's dtype."""
+    import torch
+    from transformers import AutoConfig
+
+    from megastart.demo.cpu import initialize_megatron
+    from megastart.demo.model import build_gpt_chunks
+    from megastart.loader.checkpoint import read_metadata
+
+    meta = read_metadata(checkpoint, allow_pickle=False)
+    dtypes = [entry.dtype for entry in meta.tensors.values()]
+    dtype = getattr(torch, max(set(dtypes), key=dtypes.count))
+    initialize_megatron(tp=layout["tp"], pp=layout["pp"], vpp=layout["vpp"], ep=layout["ep"])
+    hf_config = AutoConfig.from_pretrained(checkpoint)
+    _STATE.update(chunks=build_gpt_chunks(hf_config, dtype=dtype), meta=meta)
+
+
+def load(strategy: str, checkpoint: str) -> dict[str, Any]:
+    """Load with ``strategy``, timed between two barriers: wall seconds and bytes this rank read."""
+    import torch.distributed as dist
+
+    chunks = _STATE["chunks"]
+    dist.barrier()
+    start = time.perf_counter()
+    bytes_read = _LOADERS[strategy](chunks, checkpoint)
+    dist.barrier()
+    return {"wall_s": time.perf_counter() - start, "bytes_read": bytes_read}
+
+
+def settle() -> None:
+    """Free what the last step left behind, so PSS shows only what is still in use."""
+    from megastart.bench.memory import release_free_memory
+
+    release_free_memory()
+
+
+def checksum() -> str:
+    """SHA-256 over this rank's parameters (names, dtypes, shapes and bytes), in name order."""
+    digest = hashlib.sha256()
+    for i, chunk in enumerate(_STATE["chunks"]):
+        for name, param in sorted(chunk.named_parameters()):
+            digest.update(f"{i}:{name}:{param.dtype}:{tuple(param.shape)}".encode())
+            digest.update(param.detach().contiguous().view(-1).view(_uint8()).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def teardown() -> None:
+    from megastart.demo.cpu import destroy_megatron
+
+    _STATE.clear()
+    destroy_megatron()
+
+
+# --- the strategies: (chunks, checkpoint) -> bytes this rank read -------------
+
+
+def _megastart(chunks: list[Any], checkpoint: str) -> int:
+    import torch.distributed as dist
+
+    from megastart import load_hf_checkpoint
+    from megastart.loader.settings import Rank0LoaderSettings
+
+    report = load_hf_checkpoint(
+        chunks, checkpoint, settings=Rank0LoaderSettings(transport="gloo", progress=False)
+    )
+    # The report counts the bytes every reader read; charge them to the first reader.
+    return report.bytes_read if dist.get_rank() == min(report.reader_ranks) else 0
+
+
+def _every_rank_full(chunks: list[Any], checkpoint: str) -> int:
+    from safetensors import safe_open
+
+    state: dict[str, torch.Tensor] = {}
+    for file in checkpoint_files(_STATE["meta"]):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                # A private copy, as the HF model from_pretrained built on every rank held.
+                state[name] = f.get_tensor(name).clone()
+    for needs, shard in _needs_by_chunk(chunks):
+        for need in needs:
+            _write(need, _pieces(need, [state[n] for n in need.hf], shard))
+    bytes_read = sum(t.nbytes for t in state.values())
+    del state
+    return bytes_read
+
+
+def _stage_reader(chunks: list[Any], checkpoint: str) -> int:
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    tp_group = mpu.get_tensor_model_parallel_group()
+    tp_rank, tp_size = (
+        mpu.get_tensor_model_parallel_rank(),
+        mpu.get_tensor_model_parallel_world_size(),
+    )
+    src = dist.get_global_rank(tp_group, 0)
+    bytes_read = 0
+    for needs, shard in _needs_by_chunk(chunks):
+        hf_weights: dict[str, torch.Tensor] = {}
+        if tp_rank == 0:  # the whole chunk's tensors at once (memory_efficient=False)
+            hf_weights = _read_full_tensors({n for need in needs for n in need.hf})
+            bytes_read += sum(t.nbytes for t in hf_weights.values())
+        for need in needs:
+            param = _param(need)
+            shards = None
+            if tp_rank == 0:
+                inputs = [hf_weights[n] for n in need.hf]
+                shards = [
+                    _assemble(need, inputs, _with_tp_rank(shard, r), param) for r in range(tp_size)
+                ]
+            received = torch.empty_like(param)
+            dist.scatter(received, shards, src=src, group=tp_group)
+            _write(need, [(0, received.shape[0], received)])
+        del hf_weights
+    return bytes_read
+
+
+def _mmap_slices(chunks: list[Any], checkpoint: str) -> int:
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch.distributed as dist
+    from safetensors import safe_open
+
+    meta = _STATE["meta"]
+    counter = _ByteCounter()
+    handles = {
+        file: safe_open(os.path.join(meta.directory, file), framework="pt", device="cpu")
+        for file in {entry.file for entry in meta.tensors.values()}
+    }
+    lazy = {
+        name: _FileSlice(handles[entry.file].get_slice(name), counter)
+        for name, entry in meta.tensors.items()
+    }
+
+    def load_one(need: Need, shard: Shard) -> None:
+        _write(need, _pieces(need, [lazy[n] for n in need.hf], shard))
+
+    work = [(need, shard) for needs, shard in _needs_by_chunk(chunks) for need in needs]
+    workers = min(8, max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        list(pool.map(load_one, *zip(*work, strict=True)))
+    return counter.total
+
+
+_LOADERS: dict[str, Callable[[list[Any], str], int]] = {
+    "megastart": _megastart,
+    "every_rank_full": _every_rank_full,
+    "stage_reader": _stage_reader,
+    "mmap_slices": _mmap_slices,
+}
+
+
+# --- shared by the baselines --------------------------------------------------
+
+
+def checkpoint_files(meta: CheckpointMeta) -> list[str]:
+    """The paths of the checkpoint's weight files, in name order."""
+    return [
+        os.path.join(meta.directory, f) for f in sorted({e.file for e in meta.tensors.values()})
+    ]
+
+
+class _ByteCounter:
+    def __init__(self) -> None:
+        self.total = 0
+        self._lock = threading.Lock()
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self.total += nbytes
+
+
+class _FileSlice:
+    """A checkpoint tensor not read yet: indexing it reads only that part of the file.
+
+    Stands in for the full tensor in megastart's transforms, which only index
+    their inputs, so a transform reads exactly the slices its shard needs, as
+    AReaL's ``get_slice`` loader does.
+    """
+
+    def __init__(self, handle: Any, counter: _ByteCounter) -> None:
+        import torch
+
+        self._handle = handle
+        self._counter = counter
+        self.shape = tuple(handle.get_shape())
+        self.dtype = getattr(torch, _SAFETENSORS_DTYPES[handle.get_dtype()])
+        self.device = torch.device("cpu")
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        tensor = self._handle[index]
+        self._counter.add(tensor.nbytes)
+        return tensor
+
+
+_SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
+
+
+def _read_full_tensors(names: set[str]) -> dict[str, torch.Tensor]:
+    """mbridge's ``SafeTensorIO.load_some_hf_weight``: grouped by file, ``get_tensor`` each."""
+    from safetensors import safe_open
+
+    meta = _STATE["meta"]
+    by_file: dict[str, list[str]] = {}
+    for name in sorted(names):
+        by_file.setdefault(meta.tensors[name].file, []).append(name)
+    out = {}
+    for file, file_names in by_file.items():
+        with safe_open(os.path.join(meta.directory, file), framework="pt", device="cpu") as f:
+            for name in file_names:
+                out[name] = f.get_tensor(name)
+    return out
+
+
+def _pieces(need: Need, inputs: list[Any], shard: Shard) -> Iterator[Piece]:
+    from megastart.loader.transforms import TRANSFORMS
+
+    return TRANSFORMS[need.transform].pieces(inputs, need.param.shape, shard)
+
+
+def _write(need: Need, pieces: Iterator[Piece]) -> None:
+    """Copy the transform's row blocks into the parameter (reading lazy slices now)."""
+    import torch
+
+    param = _param(need)
+    with torch.no_grad():
+        for first, stop, block in pieces:
+            param[first:stop].copy_(block if isinstance(block, torch.Tensor) else block[:])
+
+
+def _assemble(need: Need, inputs: list[Any], shard: Shard, like: torch.Tensor) -> torch.Tensor:
+    """One TP rank's whole shard as a tensor (what mbridge scatters)."""
+    import torch
+
+    out = torch.empty_like(like)
+    for first, stop, block in _pieces(need, inputs, shard):
+        out[first:stop].copy_(block)
+    return out
+
+
+def _param(need: Need) -> torch.Tensor:
+    chunk = _STATE["chunks"][need.param.chunk]
+    return chunk.get_parameter(need.param.local_name)
+
+
+def _with_tp_rank(shard: Shard, tp_rank: int) -> Shard:
+    from dataclasses import replace
+
+    return replace(shard, tp_rank=tp_rank)
+
+
+def _uint8() -> Any:
+    import torch
+
+    return torch.uint8
+
+
+def _needs_by_chunk(chunks: list[Any]) -> list[tuple[list[Need], Shard]]:
+    """This rank's needs per chunk, resolved exactly as megastart's loader resolves them."""
+    from megastart.loader.api import _local_params, _megatron_config, _shard, _table
+    from megastart.loader.plan import resolve_needs
+
+    meta = _STATE["meta"]
+    params, _ = _local_params(chunks)
+    shard = _shard(_megatron_config(chunks[0]))
+    needs = resolve_needs(params, _table(meta), meta, shard)
+    return [([n for n in needs if n.param.chunk == i], shard) for i in range(len(chunks))]
