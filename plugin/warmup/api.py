@@ -94,6 +94,11 @@ def warmup_for_engine(engine: EngineContext, trigger: str) -> WarmupReport | Non
     )
 
 
+def last_report() -> WarmupReport | None:
+    """This process's successful warmup, for hosts that show what it did (``None``: none yet)."""
+    return _report
+
+
 def reset_state() -> None:
     """Forget this process's warmup, success or failure.
 
