@@ -67,6 +67,8 @@ class PssSampler:
         self.file_every = file_every
         self.peak_bytes = 0
         self.samples = 0
+        self.timeline: list[tuple[float, int]] = []
+        """``(time.monotonic(), bytes)`` of every sample, for plots of memory over time."""
         self.cpu_s = 0.0
         self.wall_s = 0.0
         self._stop = threading.Event()
@@ -102,6 +104,7 @@ class PssSampler:
                     shared = sum(shared_pss_bytes(pid) for pid in self.pids)
                 anon = sum(anon_bytes(pid) for pid in self.pids)
                 self.peak_bytes = max(self.peak_bytes, anon + shared)
+                self.timeline.append((time.monotonic(), anon + shared))
                 self.samples += 1
                 next_at = max(next_at + self.period_s, time.monotonic())
                 self._stop.wait(next_at - time.monotonic())
