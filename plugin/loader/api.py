@@ -207,31 +207,30 @@ class _Stream:
         import torch
 
         device = self.channel.device
+        on_cuda = device.type == "cuda"
         reader = TensorReader(meta)
-        prefetch = Prefetcher(
-            reader, self.plan, pin=device.type == "cuda", timeout_s=settings.timeout_s
-        )
+        prefetch = Prefetcher(reader, self.plan, pin=on_cuda, timeout_s=settings.timeout_s)
         progress = Progress(self.plan.nbytes, enabled=settings.progress)
-        staging = torch.empty(self.plan.max_bucket_bytes, dtype=torch.uint8, device=device)
+        staging = torch.empty(
+            self.plan.max_bucket_bytes if on_cuda else 0, dtype=torch.uint8, device=device
+        )
         sent = 0
         try:
             for index, bucket in enumerate(self.plan.buckets):
                 try:
                     host = prefetch.next()
                 except BaseException as e:
-                    if self.group_size > 1:
-                        self.channel.send_error(
-                            f"reader rank {_rank()} failed: {type(e).__name__}: {e}"
-                        )
+                    self.channel.send_error(
+                        f"reader rank {_rank()} failed: {type(e).__name__}: {e}"
+                    )
                     raise
                 payload = host[: bucket.nbytes]
-                if device.type == "cuda":
+                if on_cuda:
                     payload = staging[: bucket.nbytes].copy_(payload, non_blocking=True)
-                if self.group_size > 1:
-                    self.channel.send(payload)
-                    sent += bucket.nbytes
+                self.channel.send(payload)  # at group size 1 too: one code path, NCCL exercised
+                sent += bucket.nbytes if self.group_size > 1 else 0
                 self._apply(index, payload)
-                if device.type == "cuda":
+                if on_cuda:
                     torch.cuda.current_stream().synchronize()  # the host buffer is refilled next
                 prefetch.release(host)
                 progress.advance(bucket.nbytes)
