@@ -58,7 +58,8 @@ _STATE: dict[str, Any] = {}
 
 
 def build_model(checkpoint: str, layout: dict[str, Any]) -> None:
-    """Initialise Megatron for ``layout`` and build this rank's chunks in the checkpoint's dtype."""
+    """Initialise Megatron for ``layout`` and build this rank's chunks in ``layout["dtype"]``
+    (a torch dtype name), by default the checkpoint's."""
     import torch
     from transformers import AutoConfig
 
@@ -68,7 +69,7 @@ def build_model(checkpoint: str, layout: dict[str, Any]) -> None:
 
     meta = read_metadata(checkpoint, allow_pickle=False)
     dtypes = [entry.dtype for entry in meta.tensors.values()]
-    dtype = getattr(torch, max(set(dtypes), key=dtypes.count))
+    dtype = getattr(torch, layout.get("dtype") or max(set(dtypes), key=dtypes.count))
     initialize_megatron(tp=layout["tp"], pp=layout["pp"], vpp=layout["vpp"], ep=layout["ep"])
     hf_config = AutoConfig.from_pretrained(checkpoint)
     _STATE.update(chunks=build_gpt_chunks(hf_config, dtype=dtype), meta=meta)
