@@ -37,3 +37,21 @@ def tests(session: nox.Session) -> None:
     install_megastart(session, "test")
     session.install("-e", "tests/fixtures/toyplugin")
     session.run("pytest", *(session.posargs or ["tests", "-x", "-q"]))
+
+
+VERL = "verl==0.9.1"
+
+
+@nox.session(python=PYTHON)
+def verl(session: nox.Session) -> None:
+    """The verl adapter against the real verl (CPU, gloo, a local Ray cluster).
+
+    verl without extras (each extra pins a CUDA torch), plus what its Megatron
+    engine imports. megastart goes in as a wheel, not editable: Hydra 1.3 finds
+    SearchPathPlugins by scanning the ``hydra_plugins`` namespace, which
+    setuptools' editable finder hides.
+    """
+    session.install(TORCH)
+    session.install(VERL, MEGATRON, "uvicorn", "fastapi", "mbridge", "einops")
+    session.install(".[test,hydra]", "tests/fixtures/verl_probe")
+    session.run("pytest", *(session.posargs or ["tests/hosts/verl", "-x", "-q"]))

@@ -1,0 +1,1 @@
+"""megastart's Hydra configs, shipped as package data (``megastart.configs``)."""

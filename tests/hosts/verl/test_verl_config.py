@@ -1,0 +1,120 @@
+"""``+megastart=on`` in verl's real ``ppo_trainer`` config: the group is found through
+megastart's Hydra SearchPathPlugin, and the activation and the settings reach
+``ray_kwargs.ray_init.runtime_env.env_vars`` as plain strings."""
+
+from __future__ import annotations
+
+import dataclasses
+from importlib import metadata
+
+import pytest
+from omegaconf import OmegaConf
+from verl_configs import ENV_VARS, compose_ppo_trainer
+
+from megastart.engines.verl_config import ExportToRayWorkers, export_to_ray_workers
+from megastart.settings import SettingsError
+
+
+def env_vars(config) -> dict:
+    return OmegaConf.to_container(OmegaConf.select(config, ENV_VARS), resolve=False)
+
+
+def test_hydra_1_3_discovers_the_searchpath_plugin():
+    from hydra.core.plugins import Plugins
+    from hydra.plugins.search_path_plugin import SearchPathPlugin
+
+    found = [f"{c.__module__}.{c.__name__}" for c in Plugins.instance().discover(SearchPathPlugin)]
+    assert "hydra_plugins.megastart_searchpath.MegastartSearchPathPlugin" in found
+
+
+def test_hydra_1_4_entry_point_names_the_plugin_class():
+    (ep,) = [
+        ep
+        for ep in metadata.entry_points(group="hydra.plugins")
+        if ep.name == "megastart_searchpath"
+    ]
+    from hydra.plugins.search_path_plugin import SearchPathPlugin
+
+    assert issubclass(ep.load(), SearchPathPlugin)
+
+
+def test_megastart_on_adds_the_section_and_the_callback():
+    config = compose_ppo_trainer("model_engine=megatron", "+megastart=on")
+    assert config.actor_rollout_ref.actor.strategy == "megatron"
+    assert config.megastart.enabled is True
+    assert list(config.megastart.blocklist) == []
+    assert config.megastart.rank0_loader.bucket_mb is None  # null: the plugin's default
+    target = config.hydra.callbacks.megastart._target_
+    assert target == f"{ExportToRayWorkers.__module__}.{ExportToRayWorkers.__qualname__}"
+
+
+def test_export_writes_activation_and_settings_as_plain_strings():
+    config = compose_ppo_trainer(
+        "model_engine=megatron",
+        "+megastart=on",
+        "megastart.blocklist=[comm_warmup]",
+        "megastart.rank0_loader.bucket_mb=64",
+    )
+    export_to_ray_workers(config)
+    assert env_vars(config) == {
+        "VERL_USE_EXTERNAL_MODULES": "megastart.autoload",
+        "MEGASTART_ENABLED": "true",
+        "MEGASTART_BLOCKLIST": "comm_warmup",
+        "MEGASTART_TRACE": "false",
+        "MEGASTART_RANK0_LOADER_BUCKET_MB": "64",
+    }
+
+
+def test_user_external_modules_from_the_command_line_survive():
+    config = compose_ppo_trainer(
+        "model_engine=megatron",
+        f"+{ENV_VARS}.VERL_USE_EXTERNAL_MODULES='my.mod,other.mod'",
+        "+megastart=on",
+    )
+    export_to_ray_workers(config)
+    assert env_vars(config)["VERL_USE_EXTERNAL_MODULES"] == "my.mod,other.mod,megastart.autoload"
+
+
+def test_user_external_modules_from_the_shell_survive(monkeypatch):
+    monkeypatch.setenv("VERL_USE_EXTERNAL_MODULES", "shell.mod")
+    config = compose_ppo_trainer("model_engine=megatron", "+megastart=on")
+    export_to_ray_workers(config)
+    assert env_vars(config)["VERL_USE_EXTERNAL_MODULES"] == "shell.mod,megastart.autoload"
+
+
+def test_autoload_listed_by_the_user_is_not_repeated():
+    config = compose_ppo_trainer(
+        "model_engine=megatron",
+        f"+{ENV_VARS}.VERL_USE_EXTERNAL_MODULES='megastart.autoload,my.mod'",
+        "+megastart=on",
+    )
+    export_to_ray_workers(config)
+    assert env_vars(config)["VERL_USE_EXTERNAL_MODULES"] == "megastart.autoload,my.mod"
+
+
+def test_disabling_is_carried_to_the_workers():
+    config = compose_ppo_trainer(
+        "model_engine=megatron", "+megastart=on", "megastart.enabled=false"
+    )
+    export_to_ray_workers(config)
+    assert env_vars(config)["MEGASTART_ENABLED"] == "false"
+
+
+def test_unknown_setting_fails_in_the_driver_naming_the_valid_keys():
+    config = compose_ppo_trainer(
+        "model_engine=megatron", "+megastart=on", "+megastart.rank0_loader.bucket_size=64"
+    )
+    with pytest.raises(SettingsError, match=r"bucket_size.*valid keys.*bucket_mb"):
+        export_to_ray_workers(config)
+
+
+def test_the_group_lists_every_setting_of_the_builtin_plugins():
+    from megastart.loader.settings import Rank0LoaderSettings
+    from megastart.warmup.settings import CommWarmupSettings
+
+    section = compose_ppo_trainer("+megastart=on").megastart
+    for name, cls in {
+        "rank0_loader": Rank0LoaderSettings,
+        "comm_warmup": CommWarmupSettings,
+    }.items():
+        assert sorted(section[name]) == sorted(f.name for f in dataclasses.fields(cls)), name
