@@ -15,6 +15,7 @@ HELP = "benchmarks: megastart against the strategies users have today"
 # benchmark name -> module defining HELP, add_arguments(parser) and run(args) -> int
 BENCHMARKS = {
     "loader": "megastart.bench.loader",
+    "warmup": "megastart.bench.warmup",
 }
 
 
