@@ -145,7 +145,7 @@ def _load(
         if unused and settings.strict:
             raise PlanError(_unused_message(unused, checkpoint, strict=True))
         plan = build_plan(
-            [gathered[r][1] for r in group], meta, bucket_bytes=settings.bucket_mb * 2**20
+            [gathered[r][1] for r in group], meta, bucket_bytes=int(settings.bucket_mb * 2**20)
         )
         backend = _backend(settings.transport, {g[2] for g in gathered})
     if unused and rank == 0:

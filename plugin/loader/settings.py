@@ -16,8 +16,10 @@ class Rank0LoaderSettings:
     """The backend of the loader's own process group (destroyed after the load);
     ``auto``: NCCL for CUDA parameters, gloo for CPU ones."""
 
-    bucket_mb: int = 256
-    """Tensors are streamed in buckets of about this many MiB."""
+    bucket_mb: float = 256.0
+    """Tensors are streamed in buckets of about this many MiB (a tensor, or a group of
+    tensors fused into one parameter, larger than that travels alone). Peak extra
+    memory is about two buckets per rank."""
 
     timeout_s: float = 300.0
     """Upper bound on any single collective of the load."""

@@ -1,0 +1,194 @@
+"""What each rank runs in the loader tests (module-level, so RankPool can pickle them by reference).
+
+Every function sets up Megatron for one layout, builds the model from a
+checkpoint's ``config.json``, loads with ``megastart.load_hf_checkpoint``, and
+tears Megatron down again so the next case can reuse the same ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from megastart.loader.settings import Rank0LoaderSettings
+
+TOKENS = (torch.arange(16).reshape(2, 8) * 37) % 250
+
+
+def reference_logits(checkpoint: str | os.PathLike[str]) -> torch.Tensor:
+    """Ground truth: the ``transformers`` model read back from the checkpoint, fp32, on :data:`TOKENS`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(TOKENS).logits.float()
+
+
+@contextmanager
+def megatron(layout: dict[str, int]):
+    from megastart.demo.cpu import destroy_megatron, initialize_megatron
+
+    initialize_megatron(**layout)
+    try:
+        yield
+    finally:
+        destroy_megatron()
+
+
+def build(checkpoint: str, **config_overrides: Any) -> list[Any]:
+    """This rank's chunks for the checkpoint's config; ``config_overrides`` replace
+    TransformerConfig fields (uneven pipeline stages; ``context_parallel_size=1``,
+    since Megatron's local attention cannot be built with CP > 1)."""
+    import dataclasses
+
+    from transformers import AutoConfig
+
+    from megastart.demo import model
+
+    original = model.transformer_config
+    model.transformer_config = lambda *a, **k: dataclasses.replace(
+        original(*a, **k), **config_overrides
+    )
+    try:
+        return model.build_gpt_chunks(AutoConfig.from_pretrained(checkpoint))
+    finally:
+        model.transformer_config = original
+
+
+def settings(**overrides: Any) -> Rank0LoaderSettings:
+    return Rank0LoaderSettings(
+        **{"bucket_mb": 0.05, "progress": False, "timeout_s": 60.0, **overrides}
+    )
+
+
+def load_and_forward(
+    checkpoint: str, layout: dict[str, int], overrides: dict[str, Any], **config_overrides: Any
+) -> tuple[Any, torch.Tensor]:
+    """The load report and the full logits on :data:`TOKENS`, on every rank."""
+    from megastart import load_hf_checkpoint
+    from megastart.demo.model import forward_logits
+
+    with megatron(layout):
+        chunks = build(checkpoint, **config_overrides)
+        report = load_hf_checkpoint(chunks, checkpoint, settings=settings(**overrides))
+        return report, forward_logits(chunks, TOKENS)
+
+
+def load_parameters(checkpoint: str, layout: dict[str, int]) -> tuple[int, dict[str, torch.Tensor]]:
+    """This rank's TP rank and its loaded parameters (for layouts Megatron cannot run on CPU)."""
+    from megatron.core import parallel_state
+
+    from megastart import load_hf_checkpoint
+
+    with megatron(layout):
+        chunks = build(checkpoint, context_parallel_size=1)
+        load_hf_checkpoint(chunks, checkpoint, settings=settings())
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        return tp_rank, {n: p.detach().clone() for n, p in chunks[0].named_parameters()}
+
+
+def load_as_nodes(
+    checkpoint: str, layout: dict[str, int], ranks_per_node: int
+) -> tuple[Any, torch.Tensor]:
+    """Like :func:`load_and_forward` with ``reader=node``, ``LOCAL_RANK`` set as on ``ranks_per_node``-rank nodes."""
+    import torch.distributed as dist
+
+    saved = os.environ.get("LOCAL_RANK")
+    os.environ["LOCAL_RANK"] = str(dist.get_rank() % ranks_per_node)
+    try:
+        return load_and_forward(checkpoint, layout, {"reader": "node"})
+    finally:
+        os.environ["LOCAL_RANK"] = saved or "0"
+
+
+def load_expecting_error(
+    checkpoint: str,
+    layout: dict[str, int],
+    overrides: dict[str, Any],
+    build_from: str | None = None,
+) -> str:
+    """The error this rank raised, as ``Type: message`` (``"loaded"`` if none)."""
+    from megastart import load_hf_checkpoint
+
+    with megatron(layout):
+        chunks = build(build_from or checkpoint)
+        try:
+            load_hf_checkpoint(chunks, checkpoint, settings=settings(**overrides))
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return "loaded"
+
+
+def load_with_failing_reads(checkpoint: str, layout: dict[str, int], good_reads: int) -> str:
+    """Inject an I/O error into the reader's file reads after ``good_reads`` tensors."""
+    import torch.distributed as dist
+
+    from megastart.loader import checkpoint as checkpoint_module
+
+    original = checkpoint_module.read_exact
+    calls = [0]
+
+    def failing_read(f: Any, entry: Any, out: Any) -> None:
+        calls[0] += 1
+        if calls[0] > good_reads:
+            raise OSError(5, "Input/output error", f.name)
+        original(f, entry, out)
+
+    if dist.get_rank() == 0:
+        checkpoint_module.read_exact = failing_read
+    try:
+        return load_expecting_error(checkpoint, layout, {})
+    finally:
+        checkpoint_module.read_exact = original
+
+
+def load_while_a_rank_dies(
+    checkpoint: str, layout: dict[str, int], dying_rank: int, timeout_s: float
+) -> None:
+    """``dying_rank`` exits in the middle of the stream (its second bucket); the others must raise."""
+    import torch.distributed as dist
+
+    from megastart import load_hf_checkpoint
+    from megastart.loader import api
+
+    if dist.get_rank() == dying_rank:
+        original = api._Stream._apply
+
+        def apply_then_die(self: Any, index: int, payload: Any) -> None:
+            if index == 1:
+                os._exit(7)
+            original(self, index, payload)
+
+        api._Stream._apply = apply_then_die  # type: ignore[method-assign]
+    with megatron(layout):
+        load_hf_checkpoint(build(checkpoint), checkpoint, settings=settings(timeout_s=timeout_s))
+
+
+def load_for_engine_counting_warnings(checkpoint: str) -> tuple[Any, int]:
+    """``load_for_engine`` through an EngineContext; its result and the warnings this rank logged."""
+    from megatron.core import parallel_state
+
+    from megastart.loader.api import load_for_engine
+    from megastart.records import EngineContext
+
+    warnings: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = warnings.append  # type: ignore[method-assign]
+    logger = logging.getLogger("megastart")
+    logger.addHandler(handler)
+    try:
+        with megatron({}):
+            engine = EngineContext(
+                host="test",
+                host_version="0",
+                model_chunks=build(checkpoint),
+                parallel_state=parallel_state,
+                device="cpu",
+            )
+            return load_for_engine(engine, checkpoint), len(warnings)
+    finally:
+        logger.removeHandler(handler)

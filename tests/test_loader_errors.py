@@ -1,0 +1,197 @@
+"""rank0_loader failures: every bad input and every mid-stream failure is raised on every
+rank, with the same message naming the file, tensor, parameter and shapes; nothing hangs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from loader_ranks import (
+    load_and_forward,
+    load_expecting_error,
+    load_for_engine_counting_warnings,
+    load_while_a_rank_dies,
+    load_with_failing_reads,
+)
+from safetensors.torch import load_file, save_file
+
+from megastart.launch import RankFailure, RankPool
+from megastart.records import LoadReport
+
+TP2 = {"tp": 2}
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[RankPool]:
+    with RankPool(2, timeout_s=180) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def original(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.Tensor]:
+    from loader_ranks import reference_logits
+
+    from megastart.demo.checkpoints import make_checkpoint
+
+    directory = tmp_path_factory.mktemp("llama")
+    make_checkpoint("llama", directory, tie_word_embeddings=False)
+    return directory, reference_logits(directory)
+
+
+@pytest.fixture
+def checkpoint(original: tuple[Path, torch.Tensor], tmp_path: Path) -> Path:
+    """A copy of the module's checkpoint that a test may damage."""
+    return Path(shutil.copytree(original[0], tmp_path / "checkpoint"))
+
+
+def edit_tensors(
+    directory: Path, holding: str, edit: Callable[[dict[str, torch.Tensor]], None]
+) -> None:
+    """Rewrite the shard that holds tensor ``holding`` after ``edit``; keep the index in step."""
+    index_path = directory / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = index["weight_map"][holding]
+    tensors = load_file(directory / shard)
+    edit(tensors)
+    save_file(tensors, directory / shard, metadata={"format": "pt"})
+    weight_map = {n: f for n, f in index["weight_map"].items() if f != shard} | dict.fromkeys(
+        tensors, shard
+    )
+    index_path.write_text(json.dumps({**index, "weight_map": weight_map}))
+
+
+def same_on_every_rank(messages: list[str]) -> str:
+    assert len(set(messages)) == 1, messages
+    assert messages[0] != "loaded"
+    assert messages[0].startswith("CollectiveError: rank0_loader: ")
+    return messages[0]
+
+
+def test_missing_directory(pool: RankPool, tmp_path: Path, original: Any) -> None:
+    message = same_on_every_rank(
+        pool.run(load_expecting_error, str(tmp_path / "absent"), TP2, {}, str(original[0]))
+    )
+    assert f"'{tmp_path / 'absent'}' does not exist" in message
+
+
+def test_missing_config(pool: RankPool, checkpoint: Path, original: Any) -> None:
+    (checkpoint / "config.json").unlink()
+    message = same_on_every_rank(
+        pool.run(load_expecting_error, str(checkpoint), TP2, {}, str(original[0]))
+    )
+    assert "config.json' is missing" in message
+
+
+def test_config_of_a_different_model(pool: RankPool, checkpoint: Path, tmp_path: Path) -> None:
+    from megastart.demo.checkpoints import make_checkpoint
+
+    other = tmp_path / "other"
+    make_checkpoint("llama", other, tie_word_embeddings=False, num_key_value_heads=8)
+    message = same_on_every_rank(
+        pool.run(load_expecting_error, str(checkpoint), TP2, {}, str(other))
+    )
+    assert "is for a different model than the one built" in message
+    assert "num_key_value_heads=4 in config.json but num_query_groups=8 in Megatron" in message
+
+
+def test_missing_tensor(pool: RankPool, checkpoint: Path) -> None:
+    name = "model.layers.1.mlp.up_proj.weight"
+    edit_tensors(checkpoint, name, lambda t: t.pop(name))
+    message = same_on_every_rank(pool.run(load_expecting_error, str(checkpoint), TP2, {}))
+    assert f"['{name}'] missing from checkpoint" in message
+    assert "'decoder.layers.1.mlp.linear_fc1.weight'" in message
+
+
+def test_unexpected_tensor_is_an_error_when_strict_and_a_warning_otherwise(
+    pool: RankPool, checkpoint: Path, original: Any
+) -> None:
+    extra = "model.layers.0.mlp.extra_proj.weight"
+    edit_tensors(checkpoint, "model.norm.weight", lambda t: t.update({extra: torch.ones(3)}))
+    message = same_on_every_rank(
+        pool.run(load_expecting_error, str(checkpoint), TP2, {"strict": True})
+    )
+    assert f"holds 1 tensor(s) no Megatron parameter uses: '{extra}'" in message
+    for _, logits in pool.run(load_and_forward, str(checkpoint), TP2, {"strict": False}):
+        assert (logits - original[1]).abs().max().item() <= 1e-4
+
+
+def test_shape_mismatch_names_tensor_parameter_and_shapes(pool: RankPool, checkpoint: Path) -> None:
+    name = "model.layers.0.self_attn.o_proj.weight"
+    edit_tensors(checkpoint, name, lambda t: t.update({name: t[name].t().contiguous()}))
+    message = same_on_every_rank(pool.run(load_expecting_error, str(checkpoint), TP2, {}))
+    rows, cols = load_file_shape(checkpoint, name)  # transposed: [heads * head_dim, hidden]
+    assert f"HF tensor '{name}' has shape [{rows}, {cols}], expected [{cols}, {rows}]" in message
+    param = "'decoder.layers.0.self_attention.linear_proj.weight'"
+    assert f"Megatron parameter {param} (shape [{cols}, {rows // 2}]" in message  # TP2 shard
+
+
+def load_file_shape(directory: Path, name: str) -> tuple[int, ...]:
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    return tuple(load_file(directory / index["weight_map"][name])[name].shape)
+
+
+def test_truncated_shard(pool: RankPool, checkpoint: Path) -> None:
+    shard = sorted(checkpoint.glob("*.safetensors"))[-1]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    message = same_on_every_rank(pool.run(load_expecting_error, str(checkpoint), TP2, {}))
+    assert f"'{shard}' is truncated" in message
+
+
+def test_corrupt_header(pool: RankPool, checkpoint: Path) -> None:
+    shard = sorted(checkpoint.glob("*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[8:16] = b"garbage!"
+    shard.write_bytes(bytes(data))
+    message = same_on_every_rank(pool.run(load_expecting_error, str(checkpoint), TP2, {}))
+    assert f"'{shard}': the safetensors header is not valid JSON" in message
+
+
+def test_index_naming_a_missing_shard(pool: RankPool, checkpoint: Path) -> None:
+    shard = sorted(checkpoint.glob("*.safetensors"))[1]
+    shard.unlink()
+    message = same_on_every_rank(pool.run(load_expecting_error, str(checkpoint), TP2, {}))
+    assert f"names shard(s) ['{shard.name}'] that do not exist" in message
+
+
+def test_reader_io_error_in_the_middle_reaches_every_rank(pool: RankPool, original: Any) -> None:
+    start = time.monotonic()
+    message = same_on_every_rank(pool.run(load_with_failing_reads, str(original[0]), TP2, 5))
+    assert time.monotonic() - start < 30
+    assert "rank0_loader: streaming" in message
+    assert "Input/output error" in message
+    assert "reader rank 0 failed" in message or "failed on rank 0" in message
+
+
+def test_unsupported_architecture_falls_through_to_the_host_with_one_warning(
+    pool: RankPool, checkpoint: Path
+) -> None:
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(
+        json.dumps({**config, "architectures": ["ToyForCausalLM"]})
+    )
+    assert pool.run(load_for_engine_counting_warnings, str(checkpoint)) == [(None, 1), (None, 0)]
+
+
+def test_supported_architecture_is_loaded_through_the_hook(pool: RankPool, original: Any) -> None:
+    results = pool.run(load_for_engine_counting_warnings, str(original[0]))
+    assert all(isinstance(report, LoadReport) and warnings == 0 for report, warnings in results)
+
+
+def test_a_rank_that_dies_mid_stream_makes_the_others_raise_within_timeout(original: Any) -> None:
+    timeout_s = 5.0
+    with RankPool(2, timeout_s=120, grace_s=3 * timeout_s) as pool:
+        start = time.monotonic()
+        with pytest.raises(RankFailure) as failure:
+            pool.run(load_while_a_rank_dies, str(original[0]), TP2, 1, timeout_s)
+        elapsed = time.monotonic() - start
+    message = str(failure.value)
+    assert "ranks that died: 1 (exit code 7)" in message
+    assert "--- rank 0 raised" in message
+    assert "CollectiveError: rank0_loader: streaming" in message
+    assert elapsed < 3 * timeout_s + 10

@@ -1,0 +1,155 @@
+"""rank0_loader against ground truth: the loaded Megatron model's logits equal the
+``transformers`` model's, for every architecture and parallel layout (real ranks, gloo)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from loader_ranks import load_and_forward, load_as_nodes, load_parameters
+
+from megastart.launch import RankPool
+
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+LAYOUTS: dict[str, tuple[int, dict[str, int]]] = {
+    "tp2": (2, {"tp": 2}),
+    "pp2": (2, {"pp": 2}),
+    "tp2_pp2": (4, {"tp": 2, "pp": 2}),
+    "tp2_pp2_vpp2": (4, {"tp": 2, "pp": 2, "vpp": 2}),
+    "tp4": (4, {"tp": 4}),
+    "dp2_tp2": (4, {"tp": 2}),
+}
+
+# Every architecture in every layout; tied and untied embeddings alternate so
+# each architecture and each layout sees both.
+CASES = [
+    pytest.param(arch, layout, tied, id=f"{arch}-{layout}-{'tied' if tied else 'untied'}")
+    for a, arch in enumerate(ARCHITECTURES)
+    for n, layout in enumerate(LAYOUTS)
+    for tied in [(a + n) % 2 == 0]
+]
+
+
+@pytest.fixture(scope="module")
+def pools() -> Iterator[dict[int, RankPool]]:
+    """One pool per world size, shared by every case of the module."""
+    made: dict[int, RankPool] = {}
+
+    class Pools(dict):
+        def __missing__(self, world: int) -> RankPool:
+            made[world] = self[world] = RankPool(world, timeout_s=180)
+            return made[world]
+
+    yield Pools()
+    for pool in made.values():
+        pool.close()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``(arch, tied, kv_heads) -> (directory, transformers logits)``, each made once."""
+    from megastart.demo.checkpoints import make_checkpoint
+
+    cache: dict[tuple[str, bool, int], tuple[str, torch.Tensor]] = {}
+
+    def get(arch: str, tied: bool, kv_heads: int = 4) -> tuple[str, torch.Tensor]:
+        key = (arch, tied, kv_heads)
+        if key not in cache:
+            directory = tmp_path_factory.mktemp(
+                f"{arch}-{'tied' if tied else 'untied'}-kv{kv_heads}"
+            )
+            make_checkpoint(arch, directory, tie_word_embeddings=tied, num_key_value_heads=kv_heads)
+            cache[key] = (str(directory), reference_logits(directory))
+        return cache[key]
+
+    return get
+
+
+def assert_logits_match(results: list[tuple[Any, torch.Tensor]], expected: torch.Tensor) -> None:
+    for rank, (_, logits) in enumerate(results):
+        diff = (logits - expected).abs().max().item()
+        assert diff <= 1e-4, f"rank {rank}: max abs logit difference {diff:.3g}"
+
+
+@pytest.mark.parametrize(("arch", "layout", "tied"), CASES)
+def test_logits_match_transformers(
+    pools: Any, checkpoints: Any, arch: str, layout: str, tied: bool
+) -> None:
+    world, parallel = LAYOUTS[layout]
+    directory, expected = checkpoints(arch, tied)
+    results = pools[world].run(load_and_forward, directory, parallel, {})
+    assert_logits_match(results, expected)
+    report = results[0][0]
+    assert report.reader_ranks == (0,)
+    assert report.bytes_read == sum(
+        p.stat().st_size for p in Path(directory).glob("*.safetensors")
+    ) - _header_bytes(directory)
+    assert report.bytes_broadcast >= report.bytes_read  # every tensor sent once (fp32 in, fp32 out)
+
+
+def test_uneven_pipeline_stages(pools: Any, checkpoints: Any) -> None:
+    directory, expected = checkpoints("qwen3", False)
+    uneven = {"num_layers_in_first_pipeline_stage": 1}  # 1 layer on stage 0, 3 on stage 1
+    assert_logits_match(
+        pools[2].run(load_and_forward, directory, {"pp": 2}, {}, **uneven), expected
+    )
+
+
+def test_mha_checkpoint_loads_with_tp2_pp2(pools: Any, checkpoints: Any) -> None:
+    directory, expected = checkpoints("llama", False, kv_heads=8)
+    assert_logits_match(pools[4].run(load_and_forward, directory, {"tp": 2, "pp": 2}, {}), expected)
+
+
+def test_gloo_transport_and_large_buckets_give_the_same_logits(
+    pools: Any, checkpoints: Any
+) -> None:
+    directory, expected = checkpoints("qwen2", True)
+    results = pools[2].run(
+        load_and_forward, directory, {"tp": 2}, {"transport": "gloo", "bucket_mb": 256}
+    )
+    assert_logits_match(results, expected)
+
+
+def test_node_readers_each_read_the_checkpoint_once_for_their_node(
+    pools: Any, checkpoints: Any
+) -> None:
+    directory, expected = checkpoints("llama", False)
+    results = pools[4].run(load_as_nodes, directory, {"tp": 2}, 2)
+    assert_logits_match(results, expected)
+    single = pools[4].run(load_and_forward, directory, {"tp": 2}, {})[0][0]
+    report = results[0][0]
+    assert report.reader_ranks == (0, 2)
+    assert report.bytes_read == 2 * single.bytes_read
+
+
+@pytest.mark.parametrize(
+    ("world", "parallel"), [(2, {"cp": 2}), (4, {"tp": 2, "cp": 2})], ids=["cp2", "tp2_cp2"]
+)
+def test_context_parallel_ranks_load_the_same_parameters_as_without_cp(
+    pools: Any, checkpoints: Any, world: int, parallel: dict[str, int]
+) -> None:
+    directory, _ = checkpoints("qwen3", False)
+    with_cp = pools[world].run(load_parameters, directory, parallel)
+    without_cp = dict(
+        pools[world].run(
+            load_parameters, directory, {k: v for k, v in parallel.items() if k != "cp"}
+        )
+    )
+    for tp_rank, params in with_cp:
+        reference = without_cp[tp_rank]
+        assert params.keys() == reference.keys()
+        for name, value in params.items():
+            assert torch.equal(value, reference[name]), name
+
+
+def _header_bytes(directory: str) -> int:
+    """Bytes of the safetensors headers (8-byte length + JSON), which the loader reads but does not count."""
+    total = 0
+    for path in Path(directory).glob("*.safetensors"):
+        with open(path, "rb") as f:
+            total += 8 + int.from_bytes(f.read(8), "little")
+    return total
