@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from loader_ranks import load_and_forward, load_as_nodes, load_parameters
+from loader_ranks import load_and_forward, load_as_nodes, load_parameters, reference_logits
 
 from megastart.launch import RankPool
 
