@@ -29,6 +29,7 @@ Block one plugin:         MEGASTART_BLOCKLIST=comm_warmup
 COMMANDS = {
     "status": "megastart.status",
     "bench": "megastart.bench",
+    "demo": "megastart.demo.cli",
 }
 
 

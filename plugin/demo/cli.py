@@ -1,0 +1,183 @@
+"""``megastart demo``: the whole plugin on this machine, no GPU needed.
+
+A small Megatron-core job on CPU ranks over gloo (default: 4 ranks, TP2 x PP2)
+acts as the host and calls megastart's hooks where verl or AReaL would:
+
+  1. on_model_load loads a Qwen2-shaped HF checkpoint (~300 MB, made once and
+     cached under ~/.cache/megastart/demo) with a progress bar;
+  2. the loaded model's logits are checked against transformers (fp32);
+  3. a simulated restart: a Megatron distributed checkpoint is saved and
+     restored, then post_recover_load and pre_first_step run, then one real
+     training step (Megatron's pipeline schedule + optimizer step);
+  4. the same model and layout are loaded the way verl's legacy loader did
+     (every rank reads the whole checkpoint), and a table compares the two.
+
+Writes megastart-demo.png (node memory over time, hook phases marked) and
+megastart-demo.json to --out. The installed plugins run, with your settings:
+MEGASTART_BLOCKLIST=comm_warmup megastart demo   runs it without the warmup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HELP = "load, check, restart and train a small Megatron model on CPU through megastart's hooks"
+
+ARCH = "qwen2"
+DEFAULT_SIZE_MB = 300
+JSON_NAME, PNG_NAME = "megastart-demo.json", "megastart-demo.png"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=None,
+        help="your own HF checkpoint directory (config.json + *.safetensors) instead of the demo's",
+    )
+    parser.add_argument("--ranks", type=int, default=4, help="world size (default: 4)")
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default: 2)")
+    parser.add_argument("--pp", type=int, default=2, help="pipeline-parallel size (default: 2)")
+    parser.add_argument(
+        "--out", type=Path, default=Path("."), help="where to write the PNG and JSON (default: .)"
+    )
+    parser.add_argument("--no-plot", action="store_true", help="do not draw the PNG")
+    parser.add_argument(
+        "--size-mb",
+        type=float,
+        default=DEFAULT_SIZE_MB,
+        help=f"size of the demo's own checkpoint (default: {DEFAULT_SIZE_MB})",
+    )
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=600.0,
+        help="bound on every distributed step (default: 600)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from megastart.demo.checks import DemoError, Layout
+
+    started = time.perf_counter()
+    layout = Layout(ranks=args.ranks, tp=args.tp, pp=args.pp)
+    try:
+        checkpoint = _checkpoint(args, layout)
+    except DemoError as e:
+        print(f"megastart demo: {e}", file=sys.stderr)
+        return 2
+    from megastart.demo.scenario import run_demo
+
+    results = run_demo(str(checkpoint), layout, timeout_s=args.timeout_s)
+    results["command"] = (
+        "megastart demo " + " ".join(sys.argv[2:]) if sys.argv[2:] else "megastart demo"
+    )
+    results["total_seconds"] = time.perf_counter() - started
+    args.out.mkdir(parents=True, exist_ok=True)
+    json_path = args.out / JSON_NAME
+    results["table"] = render_table(results)
+    if not args.no_plot:
+        from megastart.demo.plot import plot
+
+        results["png"] = str(args.out / PNG_NAME)
+        plot(results, args.out / PNG_NAME)
+    json_path.write_text(json.dumps(results, indent=2) + "\n")
+    print(results["table"])
+    print(f"\nwrote {json_path}" + (f" and {results['png']}" if "png" in results else ""))
+    print(f"demo took {results['total_seconds']:.0f} s")
+    ok = results["megastart"]["logits"]["match"] and results["megastart"]["restored_logits_equal"]
+    return 0 if ok and results["megastart"]["train_step"]["all_ranks_updated"] else 1
+
+
+def render_table(results: dict[str, Any]) -> str:
+    """The comparison table (Markdown, so the README can show it as is)."""
+    layout = results["layout"]
+    lines = [
+        f"{results['checkpoint_bytes'] / 1e6:.0f} MB checkpoint, {layout['ranks']} ranks "
+        f"(TP{layout['tp']} x PP{layout['pp']} x DP{layout['dp']}), gloo on "
+        f"{results['machine']['cpus']} CPU cores",
+        "",
+        "| loader | wall s | node peak MB | added by the load MB | read MB |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for name, row in results["loaders"].items():
+        lines.append(
+            f"| {name} | {row['seconds']:.2f} | {row['node_peak_bytes'] / 1e6:.0f} | "
+            f"{row['added_bytes'] / 1e6:.0f} | {row['bytes_read'] / 1e6:.0f} |"
+        )
+    warmup = results["megastart"]["warmup"]
+    if warmup is None:
+        what = "did not run (comm_warmup blocked or megastart disabled)"
+    else:
+        what = (
+            f"comm_warmup ran at {warmup['hook']}: {len(warmup['groups'])} groups "
+            f"({', '.join(warmup['groups'])}), {len(warmup['operations'])} operations, "
+            f"{warmup['seconds']:.2f} s"
+        )
+    lines += [
+        "",
+        f"warmup: {what}",
+        "",
+        "wall s: on_model_load's LoadReport.seconds / every_rank_full between two barriers; "
+        "node peak: the most the ranks held together during the load (sum of their PSS, "
+        "sampled every "
+        f"{results['memory']['period_s'] * 1e3:.0f} ms); added: peak minus the moment before "
+        "the load; read: bytes read from the checkpoint files by all ranks together.",
+    ]
+    return "\n".join(lines)
+
+
+def _checkpoint(args: argparse.Namespace, layout: Any) -> Path:
+    """The user's checkpoint or the demo's (made once, cached); checked before any rank starts."""
+    from megastart.demo.checks import DemoError, check_architecture, check_layout
+
+    loader_enabled = _plugin_loaded("rank0_loader")
+    if args.checkpoint is not None:
+        path = args.checkpoint.expanduser().resolve()
+        config_path = path / "config.json"
+        if not config_path.is_file():
+            raise DemoError(
+                f"--checkpoint {path}: no config.json there; pass an HF checkpoint directory"
+            )
+        config = json.loads(config_path.read_text())
+        check_architecture(config, str(path), loader_enabled=loader_enabled)
+        check_layout(layout, config, str(path))
+        return path
+    from megastart.demo.checkpoints import make_checkpoint, scaled_config
+
+    hf_config = scaled_config(ARCH, int(args.size_mb * 1e6))
+    config = hf_config.to_dict()
+    name = f"demo {ARCH}-{args.size_mb:g}MB"
+    check_architecture(
+        config | {"architectures": hf_config.architectures}, name, loader_enabled=loader_enabled
+    )
+    check_layout(layout, config, name)
+    path = _cache_dir() / hashlib.sha256(hf_config.to_json_string().encode()).hexdigest()[:16]
+    if not (path / "config.json").is_file():
+        start = time.perf_counter()
+        print(
+            f"making the demo checkpoint ({args.size_mb:g} MB, {ARCH}) in {path}", file=sys.stderr
+        )
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        make_checkpoint(hf_config, tmp)
+        tmp.rename(path)  # atomic: a half-written checkpoint is never reused
+        print(f"made it in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return path
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "megastart" / "demo"
+
+
+def _plugin_loaded(name: str) -> bool:
+    from megastart.manager import get_plugin_manager
+
+    return get_plugin_manager().get_plugin(name) is not None

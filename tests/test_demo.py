@@ -1,0 +1,160 @@
+"""``megastart demo``: a real run at a small size, and the errors raised before any rank starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+TINY_QWEN2 = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=320,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(Qwen2Config(**TINY_QWEN2)).save_pretrained(path)
+    return path
+
+
+def megastart_demo(
+    *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """The ``megastart demo`` command in a fresh interpreter (plugin state is per process)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("MEGASTART_")}
+    return subprocess.run(
+        [sys.executable, "-m", "megastart.cli", "demo", *args],
+        env={**base, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+def tensor_bytes(checkpoint: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for file in checkpoint.glob("*.safetensors"):
+        with safe_open(file, framework="pt") as f:
+            total += sum(f.get_tensor(name).nbytes for name in f.keys())
+    return total
+
+
+def test_demo_table_png_and_json_exist_and_agree(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = megastart_demo("--checkpoint", str(tiny_checkpoint), "--out", str(out))
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+
+    results = json.loads((out / "megastart-demo.json").read_text())
+    png = out / "megastart-demo.png"
+    assert results["png"] == str(png)
+    import matplotlib.image
+
+    height, width, _ = matplotlib.image.imread(png).shape
+    assert height > 300 and width > 600
+
+    # The printed table is the JSON's, and its figures are the JSON's figures.
+    assert results["table"] in proc.stdout
+    rows = {
+        m["loader"]: m
+        for m in re.finditer(
+            r"^\| (?P<loader>\S+) \| (?P<wall>[\d.]+) \| (?P<peak>\d+) \| (?P<added>-?\d+) \| (?P<read>\d+) \|$",
+            proc.stdout,
+            re.MULTILINE,
+        )
+    }
+    assert set(rows) == {"megastart", "every_rank_full"}
+    for loader, row in rows.items():
+        figures = results["loaders"][loader]
+        assert float(row["wall"]) == pytest.approx(figures["seconds"], abs=0.005)
+        assert int(row["peak"]) == round(figures["node_peak_bytes"] / 1e6)
+        assert int(row["read"]) == round(figures["bytes_read"] / 1e6)
+
+    # megastart read the checkpoint once; every one of the 4 ranks read it all in the baseline.
+    checkpoint_bytes = tensor_bytes(tiny_checkpoint)
+    assert results["loaders"]["megastart"]["bytes_read"] == checkpoint_bytes
+    assert results["loaders"]["every_rank_full"]["bytes_read"] == 4 * checkpoint_bytes
+
+    # The peaks are the maxima of the plotted samples inside each load's step.
+    memory = dict(zip(results["memory"]["seconds"], results["memory"]["bytes"], strict=True))
+    for loader, step_name in (("megastart", "on_model_load"), ("every_rank_full", "load")):
+        step = next(s for s in results["steps"] if (s["run"], s["name"]) == (loader, step_name))
+        inside = [b for t, b in memory.items() if step["start_s"] <= t <= step["end_s"]]
+        if inside:
+            assert results["loaders"][loader]["node_peak_bytes"] == max(inside)
+
+    ours = results["megastart"]
+    assert ours["load"]["plugin"] == "rank0_loader"
+    assert ours["logits"]["match"] and ours["logits"]["max_abs_diff"] <= 1e-3
+    assert ours["restored_logits_equal"]
+    assert ours["warmup"]["hook"] == "post_recover_load"
+    # Once per process: pre_first_step found the communicators warm.
+    assert "comm_warmup" in ours["hooks"]["pre_first_step"]["plugins"]
+    assert ours["hooks"]["pre_first_step"]["warmup"] is None
+    step = ours["train_step"]
+    assert step["schedule"] == "forward_backward_pipelining_without_interleaving"
+    assert step["all_ranks_updated"] and step["params_changed"] == step["params"]
+
+
+def test_layout_that_does_not_divide_the_model_fails_before_any_rank_starts(
+    tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    start = time.monotonic()
+    proc = megastart_demo("--checkpoint", str(tiny_checkpoint), "--tp", "3", "--out", str(tmp_path))
+    assert proc.returncode == 2
+    assert "--tp 3 does not divide num_attention_heads=4" in proc.stderr
+    assert "num_key_value_heads=2" in proc.stderr and "Valid --tp: [1, 2]" in proc.stderr
+    assert "starting" not in proc.stderr and time.monotonic() - start < 60
+    assert not (tmp_path / "megastart-demo.json").exists()
+
+    proc = megastart_demo("--checkpoint", str(tiny_checkpoint), "--ranks", "6")
+    assert proc.returncode == 2
+    assert "--ranks 6 is not a multiple of --tp 2 x --pp 2 = 4" in proc.stderr
+
+    proc = megastart_demo("--checkpoint", str(tiny_checkpoint), "--pp", "3", "--ranks", "6")
+    assert proc.returncode == 2
+    assert "--pp 3 does not divide num_hidden_layers=4" in proc.stderr
+    assert "valid --pp: [1, 2, 4]" in proc.stderr
+
+
+def test_architecture_without_a_mapping_fails_before_any_rank_starts(tmp_path: Path) -> None:
+    config = {"model_type": "qwen2", "architectures": ["Qwen2ForTokenClassification"], **TINY_QWEN2}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    proc = megastart_demo("--checkpoint", str(tmp_path))
+    assert proc.returncode == 2
+    assert "['Qwen2ForTokenClassification']" in proc.stderr
+    assert "no mapping" in proc.stderr and "Qwen2ForCausalLM" in proc.stderr
+    assert "megastart.mappings" in proc.stderr
+
+    (tmp_path / "config.json").write_text(json.dumps(config | {"model_type": "gpt2"}))
+    proc = megastart_demo("--checkpoint", str(tmp_path))
+    assert proc.returncode == 2 and "model_type='gpt2'" in proc.stderr
+
+
+def test_blocked_loader_is_refused_because_the_demo_has_no_loader_of_its_own(
+    tiny_checkpoint: Path,
+) -> None:
+    proc = megastart_demo(
+        "--checkpoint", str(tiny_checkpoint), env={"MEGASTART_BLOCKLIST": "rank0_loader"}
+    )
+    assert proc.returncode == 2
+    assert "rank0_loader plugin is blocked" in proc.stderr
