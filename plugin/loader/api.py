@@ -174,7 +174,7 @@ def _load(
         bytes_broadcast=sum(s for _, s in totals),
         seconds=time.perf_counter() - start,
         reader_ranks=tuple(g[0] for g in groups),
-        tensors=len(meta.tensors) - len(unused),
+        tensors=len({name for g in gathered for names, _ in g[1] for name in names}),
     )
 
 

@@ -28,7 +28,7 @@ class Progress:
         self.tty = self.stream.isatty()
         self.log_every_s = log_every_s
         self._start = time.perf_counter()
-        self._last = 0.0
+        self._last = float("-inf")  # the first update shows at once
 
     def advance(self, nbytes: int) -> None:
         self.done += nbytes
