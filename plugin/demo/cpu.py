@@ -1,0 +1,127 @@
+"""Megatron-core on CPU over gloo: parallel state plus the shims it needs without a GPU.
+
+Use inside a rank of a :class:`megastart.launch.RankPool` (``torch.distributed``
+already initialised over gloo)::
+
+    def rank_fn():
+        initialize_megatron(tp=2, pp=2)
+        try:
+            ...  # build chunks, load, forward
+        finally:
+            destroy_megatron()
+
+The shims (see DESIGN.md, "Testing without GPUs") are test and demo support
+only; library code must never rely on them:
+
+- ``torch.cuda.current_device()`` returns ``"cpu"``: Megatron passes it as
+  ``device=`` when it allocates buffers.
+- ``torch.Tensor.cuda`` returns the tensor itself: with pipeline parallelism and
+  tied embeddings Megatron moves the shared output weight with ``.cuda()``.
+- The RNG tracker is the inference one (no CUDA RNG state).
+- ``megatron.core.transformer.moe.moe_utils.te_general_gemm = None``: without
+  Transformer Engine, megatron-core 0.16 would still route the MoE router's
+  GEMM through it.
+
+:func:`destroy_megatron` undoes everything, so the same pool can run another
+layout next.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_SAVED: list[tuple[Any, str, Any]] = []
+"""(owner, attribute, original value) of every shim in place, to restore them."""
+
+
+def initialize_megatron(
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    vpp: int | None = None,
+    cp: int = 1,
+    ep: int = 1,
+    etp: int | None = None,
+    seed: int = 1234,
+) -> None:
+    """Initialise Megatron's model-parallel state on this rank, with the CPU shims.
+
+    Collective over WORLD: every rank of the pool calls it with the same sizes.
+    ``tp * pp * cp`` must divide the world size (the rest is data parallel).
+
+    :param tp: tensor-parallel size.
+    :param pp: pipeline-parallel size.
+    :param vpp: virtual pipeline stages per rank (interleaved schedule), or None.
+    :param cp: context-parallel size.
+    :param ep: expert-parallel size.
+    :param etp: expert tensor-parallel size (None: same as ``tp``).
+    :param seed: seeds torch and Megatron's RNG tracker, so that two ranks
+        building the same layout get the same random weights.
+    """
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "initialize_megatron: torch.distributed is not initialised; "
+            "call it inside a rank of megastart.launch.RankPool"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        raise RuntimeError(
+            "initialize_megatron: Megatron's parallel state is already initialised on "
+            f"rank {dist.get_rank()}; a previous task did not call destroy_megatron()"
+        )
+    _apply_shims()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+    )
+    torch.manual_seed(seed)
+    # The inference tracker keeps no CUDA RNG state; force_reset drops the one a
+    # previous layout in this process left behind.
+    megatron_random.model_parallel_cuda_manual_seed(
+        seed, inference_rng_tracker=True, force_reset_rng=True
+    )
+
+
+def destroy_megatron() -> None:
+    """Destroy Megatron's parallel state and remove the shims. Safe to call twice."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    while _SAVED:
+        owner, name, original = _SAVED.pop()
+        if original is _ABSENT:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)
+
+
+def _apply_shims() -> None:
+    import torch
+    from megatron.core.transformer.moe import moe_utils
+
+    _patch(torch.cuda, "current_device", lambda: "cpu")
+    _patch(torch.Tensor, "cuda", _tensor_stays_on_cpu)
+    # megatron-core 0.16 defines this name only when Transformer Engine imports, yet the
+    # router's GEMM reads it unconditionally (NameError without TE).
+    _patch(moe_utils, "te_general_gemm", None)
+
+
+_ABSENT = object()
+"""The original value of a shimmed attribute that did not exist before."""
+
+
+def _patch(owner: Any, name: str, value: Any) -> None:
+    _SAVED.append((owner, name, getattr(owner, name, _ABSENT)))
+    setattr(owner, name, value)
+
+
+def _tensor_stays_on_cpu(self: Any, *args: Any, **kwargs: Any) -> Any:
+    return self

@@ -1,0 +1,266 @@
+"""This rank's Megatron-core GPTModel chunks for a ``transformers`` config, and a CPU forward.
+
+:func:`build_gpt_chunks` translates a Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE
+/ Qwen2-MoE / Mixtral config (as ``transformers.AutoConfig`` loads it) into a
+Megatron ``TransformerConfig`` and builds the chunks this rank owns, with
+random weights. :func:`forward_logits` runs them as one pipeline and returns
+the full logits on every rank, so a test can compare them with the
+``transformers`` model's. Call both inside a rank set up by
+:func:`megastart.demo.cpu.initialize_megatron`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+
+MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
+"""Megatron-LM's default: the embedding is padded to a multiple of this times TP."""
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
+
+
+def build_gpt_chunks(
+    hf_config: Any, *, dtype: torch.dtype | None = None, layer_spec: str = "local"
+) -> list[GPTModel]:
+    """Build this rank's GPTModel chunks (one per virtual pipeline stage) for ``hf_config``.
+
+    The sizes come from Megatron's parallel state, so call
+    :func:`megastart.demo.cpu.initialize_megatron` first. Weights are random
+    (``use_cpu_initialization=True``, seeded there); the embedding and output
+    layer are padded to :func:`padded_vocab_size` rows.
+
+    :param hf_config: a ``transformers`` config (``AutoConfig.from_pretrained``)
+        of one of :data:`SUPPORTED_MODEL_TYPES`.
+    :param dtype: parameter dtype (default ``torch.float32``).
+    :param layer_spec: ``"local"`` (Megatron-core's own modules); Transformer
+        Engine's spec needs a GPU and is not built here.
+    :returns: the chunks in virtual-stage order, each in eval mode.
+    """
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    if layer_spec != "local":
+        raise ValueError(
+            f"build_gpt_chunks: layer_spec={layer_spec!r} is not supported on CPU; use 'local'"
+        )
+    config = transformer_config(hf_config, dtype=dtype or torch.float32)
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    vpp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    chunks = []
+    for vp_stage in range(vpp_size or 1):
+        stage = None if vpp_size is None else vp_stage
+        chunk = GPTModel(
+            config=config,
+            transformer_layer_spec=get_gpt_decoder_block_spec(
+                config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=stage
+            ),
+            vocab_size=padded_vocab_size(hf_config.vocab_size),
+            max_sequence_length=hf_config.max_position_embeddings,
+            pre_process=pp_rank == 0 and vp_stage == 0,
+            post_process=pp_rank == pp_size - 1 and vp_stage == (vpp_size or 1) - 1,
+            share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
+            position_embedding_type="rope",
+            rotary_base=rope_theta(hf_config),
+            vp_stage=stage,
+        )
+        chunk.hf_config = hf_config  # what forward_logits and loaders map back to
+        chunks.append(chunk.eval())
+    return chunks
+
+
+def padded_vocab_size(vocab_size: int) -> int:
+    """The embedding rows Megatron allocates: ``vocab_size`` rounded up to 128 * TP."""
+    from megatron.core import parallel_state
+
+    multiple = MAKE_VOCAB_SIZE_DIVISIBLE_BY * parallel_state.get_tensor_model_parallel_world_size()
+    return -(-vocab_size // multiple) * multiple
+
+
+def rope_theta(hf_config: Any) -> float:
+    """The rotary base, from ``rope_theta`` or ``rope_parameters`` (transformers 5)."""
+    # transformers 5 keeps theta and scaling in rope_parameters; 4.x in rope_theta / rope_scaling.
+    parameters = (
+        getattr(hf_config, "rope_parameters", None)
+        or getattr(hf_config, "rope_scaling", None)
+        or {}
+    )
+    rope_type = parameters.get("rope_type", parameters.get("type", "default"))
+    if rope_type != "default":
+        raise NotImplementedError(
+            f"{hf_config.model_type}: rope scaling {parameters} is not supported by the "
+            "CPU demo model; use rope_type 'default'"
+        )
+    theta = getattr(hf_config, "rope_theta", None) or parameters.get("rope_theta")
+    if theta is None:
+        raise ValueError(
+            f"{hf_config.model_type}: config has neither rope_theta nor rope_parameters"
+        )
+    return float(theta)
+
+
+def transformer_config(hf_config: Any, *, dtype: torch.dtype) -> TransformerConfig:
+    """Megatron's TransformerConfig for ``hf_config`` under the current parallel state."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core import parallel_state
+    from megatron.core.transformer import TransformerConfig
+
+    model_type = hf_config.model_type
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise NotImplementedError(
+            f"build_gpt_chunks: model_type {model_type!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    if hf_config.hidden_act != "silu":
+        raise NotImplementedError(f"{model_type}: hidden_act {hf_config.hidden_act!r} (only silu)")
+    if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
+        raise NotImplementedError(
+            f"{model_type}: attention_bias/mlp_bias add an o_proj/MLP bias, "
+            "which the CPU demo model does not build"
+        )
+    heads = hf_config.num_attention_heads
+    return TransformerConfig(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=heads,
+        num_query_groups=getattr(hf_config, "num_key_value_heads", None) or heads,
+        kv_channels=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=_has_qkv_bias(hf_config),
+        qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        use_cpu_initialization=True,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=(
+            parallel_state.get_virtual_pipeline_model_parallel_world_size()
+        ),
+        context_parallel_size=parallel_state.get_context_parallel_world_size(),
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
+        **_moe_fields(hf_config),
+    )
+
+
+def _has_qkv_bias(hf_config: Any) -> bool:
+    if hf_config.model_type == "qwen2":  # always biased: the config has no switch
+        return True
+    return bool(getattr(hf_config, "qkv_bias", False))
+
+
+def _moe_fields(hf_config: Any) -> dict[str, Any]:
+    """TransformerConfig's MoE fields: sequential experts, allgather dispatch, HF's routing."""
+    experts = getattr(hf_config, "num_experts", None) or getattr(
+        hf_config, "num_local_experts", None
+    )
+    if not experts:
+        return {}
+    layers = hf_config.num_hidden_layers
+    sparse_step = getattr(hf_config, "decoder_sparse_step", None) or 1
+    dense_layers = set(getattr(hf_config, "mlp_only_layers", None) or ())
+    moe_layers = [int(i not in dense_layers and (i + 1) % sparse_step == 0) for i in range(layers)]
+    fields: dict[str, Any] = dict(
+        num_moe_experts=experts,
+        moe_router_topk=hf_config.num_experts_per_tok,
+        moe_ffn_hidden_size=(
+            hf_config.intermediate_size  # Mixtral's experts are full-size MLPs
+            if hf_config.model_type == "mixtral"
+            else hf_config.moe_intermediate_size
+        ),
+        moe_layer_freq=moe_layers,
+        # Mixtral always renormalises the top-k weights; Qwen does when norm_topk_prob.
+        # Softmax over the top-k logits is exactly that; pre-softmax is plain top-k.
+        moe_router_pre_softmax=not getattr(hf_config, "norm_topk_prob", True),
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_grouped_gemm=False,
+        moe_token_dispatcher_type="allgather",
+    )
+    shared = getattr(hf_config, "shared_expert_intermediate_size", None)
+    if shared:
+        fields.update(moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True)
+    return fields
+
+
+def forward_logits(chunks: list[GPTModel], input_ids: torch.Tensor) -> torch.Tensor:
+    """Run ``chunks`` as one pipeline on ``input_ids``; the full logits on every rank.
+
+    Every rank passes the same ``input_ids`` ([batch, seq], int64). Stages run
+    one after another (virtual stages interleaved as Megatron places them:
+    global stage ``v * pp + r`` is chunk ``v`` of pipeline rank ``r``); hidden
+    states travel by blocking send/recv over the pipeline group; the last stage
+    gathers the vocab-parallel logits over TP, drops the vocab padding, and
+    broadcasts them over the pipeline group.
+
+    Causal attention, positions ``0..seq-1``, no sliding window (Mistral's window
+    only matters for sequences longer than it).
+
+    :returns: fp32 logits, [batch, seq, hf_vocab_size], identical on every rank.
+    """
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if parallel_state.get_context_parallel_world_size() != 1:
+        raise NotImplementedError("forward_logits: context parallelism is not supported")
+    config = chunks[0].config
+    batch, seq = input_ids.shape
+    vocab = chunks[0].vocab_size
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    pp_ranks = dist.get_process_group_ranks(pp_group)
+    pp_size, pp_rank = len(pp_ranks), parallel_state.get_pipeline_model_parallel_rank()
+    position_ids = torch.arange(seq).unsqueeze(0).expand(batch, seq)
+    # True = masked, as Megatron-LM's get_ltor_masks_and_position_ids makes it; without
+    # one, Megatron's local attention builds its default causal mask on "cuda".
+    causal_mask = torch.ones(1, 1, seq, seq, dtype=torch.bool).triu(diagonal=1)
+    hidden_shape = (seq, batch, config.hidden_size)
+    stages = pp_size * len(chunks)
+    logits = None
+    with torch.no_grad():
+        for stage in range(stages):
+            owner, chunk_index = stage % pp_size, stage // pp_size
+            if owner != pp_rank:
+                continue
+            chunk = chunks[chunk_index]
+            if stage > 0:
+                hidden = torch.empty(hidden_shape, dtype=config.params_dtype)
+                dist.recv(hidden, src=pp_ranks[(owner - 1) % pp_size], group=pp_group)
+                chunk.set_input_tensor(hidden)
+            output = chunk(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=causal_mask,
+                runtime_gather_output=True,
+            )
+            if stage < stages - 1:
+                dist.send(output.contiguous(), dst=pp_ranks[(owner + 1) % pp_size], group=pp_group)
+            else:
+                logits = output.float()
+        if logits is None:
+            logits = torch.empty((batch, seq, vocab), dtype=torch.float32)
+        dist.broadcast(logits, src=pp_ranks[-1], group=pp_group)
+    return logits[..., : chunks[0].hf_config.vocab_size].contiguous()
