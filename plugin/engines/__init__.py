@@ -9,7 +9,9 @@ entry-point scan out of every process that never trains.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
+from collections.abc import Callable
 from types import ModuleType
 
 from megastart.engines.base import Compatibility, EngineAdapter, IncompatibleHost
@@ -80,6 +82,12 @@ def _discover(_module: ModuleType) -> None:
 
 def _attacher(name: str):  # type: ignore[no-untyped-def]
     def attach(module: ModuleType) -> None:
+        if _executing(module):
+            # The host module imports megatron.core itself (verl's transformer_impl
+            # does), so discovery ran in the middle of the host module's import and
+            # wrapt called this hook at once, before the host's classes exist.
+            _when_imported.defer(name, attach)
+            return
         try:
             adapter = load_adapter(name)
         except ImportError as e:
@@ -88,3 +96,46 @@ def _attacher(name: str):  # type: ignore[no-untyped-def]
         adapter.attach(module)
 
     return attach
+
+
+def _executing(module: ModuleType) -> bool:
+    """Whether the module's body is still running on this thread (it is importing something)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_globals is vars(module) and frame.f_code.co_name == "<module>":
+            return True
+        frame = frame.f_back
+    return False
+
+
+class _WhenImported:
+    """A meta-path finder that finds nothing: on every import it calls the deferred
+    attaches whose host module has finished executing, and leaves ``sys.meta_path``
+    once none is left. A host module's import is always followed by more imports
+    (its package's, its caller's) before the host can build a model."""
+
+    def __init__(self) -> None:
+        self._pending: dict[str, Callable[[ModuleType], None]] = {}
+        # Not the module's _lock: load_adapter holds that while it imports.
+        self._lock = threading.Lock()
+
+    def defer(self, name: str, attach: Callable[[ModuleType], None]) -> None:
+        with self._lock:
+            self._pending[name] = attach
+            if self not in sys.meta_path:
+                sys.meta_path.insert(0, self)
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> None:
+        ready = []
+        with self._lock:
+            for name in list(self._pending):
+                module = sys.modules.get(name)
+                if module is not None and not _executing(module):
+                    ready.append((self._pending.pop(name), module))
+            if not self._pending and self in sys.meta_path:
+                sys.meta_path.remove(self)
+        for attach, module in ready:
+            attach(module)
+
+
+_when_imported = _WhenImported()
