@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import sys
@@ -27,6 +28,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("megastart")
 
 HELP = "megastart's loader against every-rank, stage-reader and mmap-slice loading"
 
@@ -65,6 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=",".join(STRATEGIES),
         help=f"comma-separated subset of {','.join(STRATEGIES)} (megastart is always run)",
     )
+    parser.add_argument(
+        "--bucket-mb",
+        type=int,
+        default=None,
+        help="megastart's rank0_loader.bucket_mb (default: the loader's default)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the results to FILE")
     parser.add_argument(
         "--sample-ms", type=float, default=20.0, help="PSS sampling period (default: 20)"
@@ -73,7 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--timeout-s", type=float, default=600.0, help="bound on every distributed step"
     )
     parser.add_argument(
-        "--workdir", type=Path, default=None, help="where to write the generated checkpoint"
+        "--workdir",
+        type=Path,
+        default=None,
+        help="write the generated checkpoint here and keep it (default: a temporary directory)",
     )
 
 
@@ -115,6 +127,9 @@ class StrategyResult:
     node_peak_bytes: int
     transient_bytes: int
     steady_bytes: int
+    rank_peaks_transient_bytes: int
+    """Sum over the ranks of (kernel peak RSS during the load - RSS after it): a bound
+    that no sampling gap can miss, but that counts shared pages once per rank."""
     bytes_read: int
     checksums: list[str]
     weights_match_megastart: bool = True
@@ -124,10 +139,16 @@ class StrategyResult:
 def run(args: argparse.Namespace) -> int:
     layout = Layout(ranks=args.ranks, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep)
     chosen = _chosen_strategies(args.strategies)
-    with tempfile.TemporaryDirectory(prefix="megastart-bench-", dir=args.workdir) as tmp:
-        checkpoint = args.checkpoint or _make_checkpoint(args.arch, args.size_gb, Path(tmp))
+    with tempfile.TemporaryDirectory(prefix="megastart-bench-") as tmp:
+        workdir = args.workdir or Path(tmp)
+        checkpoint = args.checkpoint or _make_checkpoint(args.arch, args.size_gb, workdir)
         results = measure(
-            checkpoint, layout, chosen, sample_s=args.sample_ms / 1e3, timeout_s=args.timeout_s
+            checkpoint,
+            layout,
+            chosen,
+            bucket_mb=args.bucket_mb,
+            sample_s=args.sample_ms / 1e3,
+            timeout_s=args.timeout_s,
         )
     results["command"] = (
         "megastart " + " ".join(sys.argv[1:]) if sys.argv[1:] else "megastart bench loader"
@@ -145,6 +166,7 @@ def measure(
     layout: Layout,
     strategies: tuple[str, ...],
     *,
+    bucket_mb: int | None = None,
     sample_s: float = 0.02,
     timeout_s: float = 600.0,
 ) -> dict[str, Any]:
@@ -160,6 +182,9 @@ def measure(
     limits.read_throughput(files)  # warm the page cache: every strategy starts from the same state
     read_bytes, read_s = limits.read_throughput(files)
     probe = min(BROADCAST_PROBE_BYTES, checkpoint_bytes)
+    options = {"transport": "gloo", "progress": False, "timeout_s": timeout_s}
+    if bucket_mb is not None:
+        options["bucket_mb"] = bucket_mb
     with RankPool(layout.ranks, timeout_s=timeout_s) as pool:
         broadcast_s = max(pool.run(limits.broadcast_throughput, probe))
     results: dict[str, Any] = {
@@ -176,12 +201,26 @@ def measure(
             "read_s": checkpoint_bytes / (read_bytes / read_s),
             "broadcast_s": checkpoint_bytes / (probe / broadcast_s),
         },
+        "megastart_settings": options,
         "strategies": {},
     }
+    log.info(
+        "limits: read %.2f GB/s, broadcast %.2f GB/s",
+        results["limits"]["read_gbps"],
+        results["limits"]["broadcast_gbps"],
+    )
     for name in strategies:
-        results["strategies"][name] = asdict(
-            _measure_strategy(name, checkpoint, layout, sample_s=sample_s, timeout_s=timeout_s)
+        result = _measure_strategy(
+            name, checkpoint, layout, options, sample_s=sample_s, timeout_s=timeout_s
         )
+        log.info(
+            "%s: %.2f s, node peak %.2f GB, transient %.2f GB",
+            name,
+            result.wall_s,
+            result.node_peak_bytes / 1e9,
+            result.transient_bytes / 1e9,
+        )
+        results["strategies"][name] = asdict(result)
     reference = results["strategies"]["megastart"]["checksums"]
     for result in results["strategies"].values():
         result["weights_match_megastart"] = result["checksums"] == reference
@@ -190,21 +229,39 @@ def measure(
 
 
 def _measure_strategy(
-    name: str, checkpoint: Path, layout: Layout, *, sample_s: float, timeout_s: float
+    name: str,
+    checkpoint: Path,
+    layout: Layout,
+    options: dict[str, Any],
+    *,
+    sample_s: float,
+    timeout_s: float,
 ) -> StrategyResult:
     """One strategy in a fresh world, so no strategy inherits another's heap or state."""
     from megastart.bench import strategies
-    from megastart.bench.memory import PssSampler, node_pss_bytes
+    from megastart.bench.memory import (
+        PssSampler,
+        node_pss_bytes,
+        peak_rss_bytes,
+        reset_peak_rss,
+        rss_bytes,
+    )
     from megastart.launch import RankPool
 
     with RankPool(layout.ranks, timeout_s=timeout_s) as pool:
         pids = pool.run(os.getpid)
         pool.run(strategies.build_model, str(checkpoint), asdict(layout))
         pool.run(strategies.settle)
+        for pid in pids:
+            reset_peak_rss(pid)
         with PssSampler(pids, period_s=sample_s) as sampler:
-            per_rank = pool.run(strategies.load, name, str(checkpoint))
+            per_rank = pool.run(strategies.load, name, str(checkpoint), options)
+        rank_peaks = [peak_rss_bytes(pid) for pid in pids]
         pool.run(strategies.settle)
         steady = node_pss_bytes(pids)
+        rank_transient = sum(
+            peak - rss_bytes(pid) for peak, pid in zip(rank_peaks, pids, strict=True)
+        )
         checksums = pool.run(strategies.checksum)
         pool.run(strategies.teardown)
     return StrategyResult(
@@ -213,6 +270,7 @@ def _measure_strategy(
         node_peak_bytes=sampler.peak_bytes,
         transient_bytes=max(sampler.peak_bytes - steady, 0),
         steady_bytes=steady,
+        rank_peaks_transient_bytes=max(rank_transient, 0),
         bytes_read=sum(r["bytes_read"] for r in per_rank),
         checksums=checksums,
         sampler={
@@ -261,13 +319,14 @@ def render(results: dict[str, Any]) -> str:
         f"{layout.describe()}, gloo on {results['machine']['cpus']} CPU cores",
         "",
         f"{'strategy':<16} {'wall s':>7} {'x ms':>6} {'node peak GB':>13} {'transient GB':>13} "
-        f"{'x ms':>7} {'read GB':>8} {'x ckpt':>7}  weights = megastart",
+        f"{'x ms':>6} {'rank peaks GB':>14} {'read GB':>8} {'x ckpt':>7}  weights = megastart",
     ]
     for name, s in strategies.items():
         lines.append(
             f"{name:<16} {s['wall_s']:>7.2f} {s['wall_s'] / ours['wall_s']:>6.2f} "
             f"{s['node_peak_bytes'] / gb:>13.2f} {s['transient_bytes'] / gb:>13.3f} "
-            f"{s['transient_bytes'] / max(ours['transient_bytes'], 1):>7.1f} "
+            f"{s['transient_bytes'] / max(ours['transient_bytes'], 1):>6.1f} "
+            f"{s['rank_peaks_transient_bytes'] / gb:>14.3f} "
             f"{s['bytes_read'] / gb:>8.2f} {s['bytes_read'] / results['checkpoint_bytes']:>7.2f}  "
             f"{'yes' if s['weights_match_megastart'] else 'NO'} ({len(s['checksums'])} ranks)"
         )
@@ -301,6 +360,9 @@ def render(results: dict[str, Any]) -> str:
         f" {max(s['cpu_share'] for s in samplers):.0%} of a core at most;",
         "  transient    node peak minus the node's PSS after the load, once every rank ran"
         " gc.collect() and malloc_trim(0);",
+        "  rank peaks   sum over the ranks of the kernel's peak RSS during the load (VmHWM, reset"
+        " before it) minus RSS after it: no sampling gap can hide a peak from it, but it counts"
+        " pages the ranks share once per rank and adds peaks that need not coincide;",
         "  bytes read   bytes copied out of the checkpoint files, counted in each strategy's read"
         " path (megastart: its LoadReport.bytes_read), summed over the ranks. The page cache is"
         " warm for every strategy (the files are read once before the limits are measured), so"
@@ -324,8 +386,7 @@ def _make_checkpoint(arch: str, size_gb: float, directory: Path) -> Path:
     start = time.perf_counter()
     path = directory / f"{arch}-{size_gb:g}gb"
     make_checkpoint(scaled_config(arch, int(size_gb * 1e9)), path)
-    print(
-        f"generated a {size_gb:g} GB {arch} checkpoint in {time.perf_counter() - start:.1f} s",
-        file=sys.stderr,
+    log.info(
+        "generated a %g GB %s checkpoint in %.1f s", size_gb, arch, time.perf_counter() - start
     )
     return path

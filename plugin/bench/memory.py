@@ -41,6 +41,25 @@ def node_pss_bytes(pids: Sequence[int]) -> int:
     return sum(anon_bytes(pid) + shared_pss_bytes(pid) for pid in pids)
 
 
+def reset_peak_rss(pid: int) -> None:
+    """Reset the kernel's high-water mark of the process's RSS to its current RSS."""
+    with open(f"/proc/{pid}/clear_refs", "w", encoding="ascii") as f:
+        f.write("5")
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """The process's highest RSS since start or :func:`reset_peak_rss` (``VmHWM``).
+
+    Kept by the kernel, so no sampler can miss it; but it counts shared pages in
+    full in every process that maps them, and the ranks' peaks need not coincide.
+    """
+    return _field(f"/proc/{pid}/status", "VmHWM:")
+
+
+def rss_bytes(pid: int) -> int:
+    return _field(f"/proc/{pid}/status", "VmRSS:")
+
+
 def _field(path: str, key: str) -> int:
     with open(path, encoding="ascii") as f:
         for line in f:

@@ -75,14 +75,20 @@ def build_model(checkpoint: str, layout: dict[str, Any]) -> None:
     _STATE.update(chunks=build_gpt_chunks(hf_config, dtype=dtype), meta=meta)
 
 
-def load(strategy: str, checkpoint: str) -> dict[str, Any]:
-    """Load with ``strategy``, timed between two barriers: wall seconds and bytes this rank read."""
+def load(strategy: str, checkpoint: str, megastart_options: dict[str, Any]) -> dict[str, Any]:
+    """Load with ``strategy``, timed between two barriers: wall seconds and bytes this rank read.
+
+    :param megastart_options: ``Rank0LoaderSettings`` fields for the ``megastart`` strategy.
+    """
     import torch.distributed as dist
 
     chunks = _STATE["chunks"]
     dist.barrier()
     start = time.perf_counter()
-    bytes_read = _LOADERS[strategy](chunks, checkpoint)
+    if strategy == "megastart":
+        bytes_read = _megastart(chunks, checkpoint, megastart_options)
+    else:
+        bytes_read = _BASELINES[strategy](chunks, checkpoint)
     dist.barrier()
     return {"wall_s": time.perf_counter() - start, "bytes_read": bytes_read}
 
@@ -114,15 +120,13 @@ def teardown() -> None:
 # --- the strategies: (chunks, checkpoint) -> bytes this rank read -------------
 
 
-def _megastart(chunks: list[Any], checkpoint: str) -> int:
+def _megastart(chunks: list[Any], checkpoint: str, options: dict[str, Any]) -> int:
     import torch.distributed as dist
 
     from megastart import load_hf_checkpoint
     from megastart.loader.settings import Rank0LoaderSettings
 
-    report = load_hf_checkpoint(
-        chunks, checkpoint, settings=Rank0LoaderSettings(transport="gloo", progress=False)
-    )
+    report = load_hf_checkpoint(chunks, checkpoint, settings=Rank0LoaderSettings(**options))
     # The report counts the bytes every reader read; charge them to the first reader.
     return report.bytes_read if dist.get_rank() == min(report.reader_ranks) else 0
 
@@ -203,8 +207,7 @@ def _mmap_slices(chunks: list[Any], checkpoint: str) -> int:
     return counter.total
 
 
-_LOADERS: dict[str, Callable[[list[Any], str], int]] = {
-    "megastart": _megastart,
+_BASELINES: dict[str, Callable[[list[Any], str], int]] = {
     "every_rank_full": _every_rank_full,
     "stage_reader": _stage_reader,
     "mmap_slices": _mmap_slices,

@@ -1,0 +1,86 @@
+"""``megastart bench loader`` at a tiny size: the report has every figure, and every
+strategy loaded exactly megastart's weights (speed is reported, never asserted)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import pytest
+
+from megastart.cli import main
+
+STRATEGIES = ("megastart", "every_rank_full", "stage_reader", "mmap_slices")
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
+    out = tmp_path_factory.mktemp("bench")
+    capture = out / "stdout.txt"
+    with capture.open("w") as stdout, contextlib.redirect_stdout(stdout):
+        code = main(
+            [
+                "bench",
+                "loader",
+                "--ranks=4",
+                "--tp=2",
+                "--pp=2",
+                "--size-gb=0.005",
+                f"--workdir={out}",
+                f"--json={out / 'bench.json'}",
+            ]
+        )
+    assert code == 0, capture.read_text()
+    return json.loads((out / "bench.json").read_text()), capture.read_text()
+
+
+def test_json_has_every_figure_for_every_strategy(bench: tuple[dict, str]) -> None:
+    results, _ = bench
+    assert results["checkpoint_bytes"] > 0
+    assert set(results["strategies"]) == set(STRATEGIES)
+    for name, figures in results["strategies"].items():
+        for key in ("wall_s", "node_peak_bytes", "bytes_read"):
+            assert figures[key] > 0, (name, key, figures[key])
+        assert 0 <= figures["transient_bytes"] <= figures["node_peak_bytes"]
+    assert results["limits"]["read_gbps"] > 0
+    assert results["limits"]["broadcast_gbps"] > 0
+
+
+def test_every_strategy_loads_megastarts_weights_on_every_rank(bench: tuple[dict, str]) -> None:
+    results, table = bench
+    reference = results["strategies"]["megastart"]["checksums"]
+    assert len(reference) == 4 and len(set(reference)) == 4  # four different shards
+    for name, figures in results["strategies"].items():
+        assert figures["checksums"] == reference, name
+        assert figures["weights_match_megastart"], name
+        assert f"{name} " in table
+
+
+def test_load_changed_the_randomly_initialised_weights(bench: tuple[dict, str]) -> None:
+    """Equal checksums would prove nothing if no strategy had written anything."""
+    from megastart.bench import strategies
+    from megastart.launch import RankPool
+
+    results, _ = bench
+    with RankPool(4) as pool:
+        pool.run(strategies.build_model, results["checkpoint"], results["layout"])
+        unloaded = pool.run(strategies.checksum)
+        pool.run(strategies.teardown)
+    assert all(
+        a != b
+        for a, b in zip(unloaded, results["strategies"]["megastart"]["checksums"], strict=True)
+    )
+
+
+def test_bytes_read_follow_each_strategys_io_pattern(bench: tuple[dict, str]) -> None:
+    results, _ = bench
+    size = results["checkpoint_bytes"]
+    read = {name: figures["bytes_read"] for name, figures in results["strategies"].items()}
+    # megastart reads each tensor once: the checkpoint minus the safetensors headers.
+    assert 0.99 * size <= read["megastart"] <= size
+    # every rank reads every tensor.
+    assert read["every_rank_full"] == 4 * read["megastart"]
+    # with untied embeddings, TP rank 0 of each of the two stages reads its half once.
+    assert read["stage_reader"] == read["megastart"]
+    # every rank reads its TP slices: each sharded tensor once per stage, the norms twice.
+    assert read["megastart"] <= read["mmap_slices"] < 1.1 * read["megastart"]
