@@ -195,3 +195,25 @@ def test_a_rank_that_dies_mid_stream_makes_the_others_raise_within_timeout(origi
     assert "--- rank 0 raised" in message
     assert "CollectiveError: rank0_loader: streaming" in message
     assert elapsed < 3 * timeout_s + 10
+
+
+def test_pickle_checkpoint_loads_only_when_allowed(
+    pool: RankPool, checkpoint: Path, original: Any
+) -> None:
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in checkpoint.glob("*.safetensors"):
+        tensors |= load_file(shard)
+        shard.unlink()
+    (checkpoint / "model.safetensors.index.json").unlink()
+    torch.save(tensors, checkpoint / "pytorch_model.bin")
+    message = same_on_every_rank(pool.run(load_expecting_error, str(checkpoint), TP2, {}))
+    assert "allow_pickle=true" in message
+    for _, logits in pool.run(load_and_forward, str(checkpoint), TP2, {"allow_pickle": True}):
+        assert (logits - original[1]).abs().max().item() <= 1e-4
+
+
+def test_nccl_transport_needs_cuda_parameters(pool: RankPool, original: Any) -> None:
+    message = same_on_every_rank(
+        pool.run(load_expecting_error, str(original[0]), TP2, {"transport": "nccl"})
+    )
+    assert "transport=nccl needs CUDA parameters on every rank, found ['cpu']" in message

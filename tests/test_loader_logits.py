@@ -153,3 +153,10 @@ def _header_bytes(directory: str) -> int:
         with open(path, "rb") as f:
             total += 8 + int.from_bytes(f.read(8), "little")
     return total
+
+
+def test_world_of_eight_dp2_tp2_pp2(checkpoints: Any) -> None:
+    directory, expected = checkpoints("qwen2", True)
+    with RankPool(8, timeout_s=300) as pool:
+        results = pool.run(load_and_forward, directory, {"tp": 2, "pp": 2}, {})
+    assert_logits_match(results, expected)
