@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from megastart.distributed import all_or_none, destroy_group, new_group
 from megastart.loader.checkpoint import CheckpointMeta, TensorReader, read_metadata
+from megastart.loader.experts import check_expert_parallel, first_local_expert, global_expert_name
 from megastart.loader.mappings import MappingTable, known_architectures, mapping_for
 from megastart.loader.plan import (
     Need,
@@ -129,6 +130,7 @@ def _load(
     with phase(f"{PLUGIN}: planning"):
         params, tensors = _local_params(chunks)
         megatron = _megatron_config(chunks[0])
+        check_expert_parallel(meta.config, megatron, checkpoint=checkpoint)
         check_config(table, meta.config, megatron, checkpoint=checkpoint)
         shard = _shard(megatron)
         needs = resolve_needs(params, table, meta, shard)
@@ -279,15 +281,16 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 def _local_params(chunks: list[Any]) -> tuple[list[ParamInfo], dict[tuple[int, str], torch.Tensor]]:
-    """This rank's parameters with canonical names (global layer numbers, from Megatron itself)."""
+    """This rank's parameters with canonical names (global layer and expert numbers)."""
     params: list[ParamInfo] = []
     tensors: dict[tuple[int, str], torch.Tensor] = {}
     for index, chunk in enumerate(chunks):
         decoder = getattr(chunk, "decoder", None)
         layers = getattr(decoder, "layers", [])
         global_layer = {str(i): str(layer.layer_number - 1) for i, layer in enumerate(layers)}
+        first_expert = first_local_expert(_megatron_config(chunk))
         for name, tensor in chunk.named_parameters():
-            canonical = _canonical(name, global_layer)
+            canonical = global_expert_name(_canonical(name, global_layer), first_expert)
             dtype = str(tensor.dtype).removeprefix("torch.")
             params.append(ParamInfo(index, name, canonical, tuple(tensor.shape), dtype))
             tensors[(index, name)] = tensor
@@ -320,6 +323,8 @@ def _shard(megatron: dict[str, Any]) -> Shard:
         num_heads=heads,
         num_query_groups=megatron.get("num_query_groups") or heads,
         head_dim=megatron.get("kv_channels") or megatron["hidden_size"] // heads,
+        expert_tp_rank=parallel_state.get_expert_tensor_parallel_rank(),
+        expert_tp_size=parallel_state.get_expert_tensor_parallel_world_size(),
     )
 
 

@@ -189,7 +189,10 @@ def known_architectures() -> list[str]:
 def _registry() -> dict[str, MappingTable]:
     from importlib import metadata
 
-    tables = {arch: table for table in BUILTIN_TABLES for arch in table.architectures}
+    from megastart.loader.mappings_moe import MOE_TABLES
+
+    builtin = BUILTIN_TABLES + MOE_TABLES
+    tables = {arch: table for table in builtin for arch in table.architectures}
     for ep in sorted(metadata.entry_points(group=MAPPINGS_GROUP), key=lambda e: e.name):
         table: Any = ep.load()
         if not isinstance(table, MappingTable):

@@ -16,7 +16,7 @@ Rows are along dim 0, the dim Megatron's column-parallel layers split.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -37,6 +37,10 @@ class Shard:
     num_heads: int
     num_query_groups: int
     head_dim: int
+    expert_tp_rank: int | None = None
+    """Rank in Megatron's expert-tensor-parallel group (None: experts split like ``tp_rank``)."""
+    expert_tp_size: int | None = None
+    """Size of that group, which may differ from ``tp_size`` (``expert_tensor_parallel_size``)."""
 
 
 class Transform(Protocol):
@@ -155,11 +159,32 @@ class Qkv:
             yield base + q_rows + d, base + per_group, v[g * d : (g + 1) * d]
 
 
+class ExpertTensorParallel:
+    """A routed expert's weight: ``inner``, split over the expert-tensor-parallel group, not TP."""
+
+    def __init__(self, inner: Transform) -> None:
+        self.inner = inner
+
+    def check(self, hf: Sequence[Named], local: Shape, shard: Shard) -> list[str]:
+        return self.inner.check(hf, local, _expert_shard(shard))
+
+    def pieces(self, inputs: Sequence[torch.Tensor], local: Shape, shard: Shard) -> Iterator[Piece]:
+        return self.inner.pieces(inputs, local, _expert_shard(shard))
+
+
+def _expert_shard(shard: Shard) -> Shard:
+    if shard.expert_tp_size is None or shard.expert_tp_rank is None:
+        return shard
+    return replace(shard, tp_rank=shard.expert_tp_rank, tp_size=shard.expert_tp_size)
+
+
 TRANSFORMS: dict[str, Transform] = {
     "replicated": Replicated(),
     "row_parallel": RowParallel(),
     "vocab": Vocab(),
     "gate_up": GateUp(),
     "qkv": Qkv(),
+    "expert_gate_up": ExpertTensorParallel(GateUp()),
+    "expert_row_parallel": ExpertTensorParallel(RowParallel()),
 }
 """Transform name (as used in mapping rules) -> transform."""
