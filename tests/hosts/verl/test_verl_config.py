@@ -38,6 +38,12 @@ def test_hydra_1_4_entry_point_names_the_plugin_class():
     assert issubclass(ep.load(), SearchPathPlugin)
 
 
+def test_without_the_override_the_config_is_verls_own():
+    config = compose_ppo_trainer("model_engine=megatron")
+    assert "megastart" not in config and "megastart" not in config.hydra.callbacks
+    assert OmegaConf.select(config, ENV_VARS) is None
+
+
 def test_megastart_on_adds_the_section_and_the_callback():
     config = compose_ppo_trainer("model_engine=megatron", "+megastart=on")
     assert config.actor_rollout_ref.actor.strategy == "megatron"
@@ -56,12 +62,13 @@ def test_export_writes_activation_and_settings_as_plain_strings():
         "megastart.rank0_loader.bucket_mb=64",
     )
     export_to_ray_workers(config)
-    assert env_vars(config) == {
+    written = env_vars(config)
+    assert float(written.pop("MEGASTART_RANK0_LOADER_BUCKET_MB")) == 64
+    assert written == {
         "VERL_USE_EXTERNAL_MODULES": "megastart.autoload",
         "MEGASTART_ENABLED": "true",
         "MEGASTART_BLOCKLIST": "comm_warmup",
         "MEGASTART_TRACE": "false",
-        "MEGASTART_RANK0_LOADER_BUCKET_MB": "64",
     }
 
 
