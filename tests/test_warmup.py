@@ -39,7 +39,12 @@ BATCHED_PP4 = {
     2: on("pp", both("batch_send_recv_next", "batch_send_recv_prev")),
     3: on("pp", both("batch_send_recv_prev")),
 }
+# No DDP config given: both the plain DDP all-reduce and the distributed
+# optimizer's reduce-scatter / all-gather, and both grad-norm groups (mp, dist_opt).
 GRADS = both("all_reduce", "reduce_scatter", "all_gather")
+# One-rank groups the step still calls collectives on (Megatron has no size check
+# there; NCCL spends ~390 MiB creating each): one small message per operation.
+ONE_RANK_GRADS = small("all_reduce", "reduce_scatter", "all_gather")
 
 LAYOUTS: dict[str, dict[str, Any]] = {
     # world 4, ranks = tp + 2 * stage: tp (0,1) (2,3); pp and embedding (0,2) (1,3)
@@ -51,6 +56,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
             r: on("tp", both("all_reduce", "all_gather", "reduce_scatter"))
             | on("pp", both("all_reduce"))
             | UNBATCHED_PP2[r // 2]
+            | on("dp_cp", ONE_RANK_GRADS)
             | on("embedding", both("all_reduce"))
             | on("mp", small("all_reduce"))
             | on("dist_opt", small("all_reduce"))
@@ -71,6 +77,8 @@ LAYOUTS: dict[str, dict[str, Any]] = {
             r: on("pp", both("all_reduce"))
             | UNBATCHED_PP2[r]
             | on("pp", small("batch_send_recv_next" if r == 0 else "batch_send_recv_prev"))
+            | on("tp", small("all_reduce"))
+            | on("dp_cp", ONE_RANK_GRADS)
             | on("embedding", both("all_reduce"))
             | on("mp", small("all_reduce"))
             | on("dist_opt", small("all_reduce"))
@@ -87,6 +95,9 @@ LAYOUTS: dict[str, dict[str, Any]] = {
             | UNBATCHED_PP4[r]
             | BATCHED_PP4[r]
             | (on("embedding", both("all_reduce")) if r in (0, 3) else set())
+            | on("tp", small("all_reduce", "all_gather", "reduce_scatter"))
+            | on("dp_cp", ONE_RANK_GRADS)
+            | on("expert_dp", ONE_RANK_GRADS)
             | on("mp", small("all_reduce"))
             | on("expert_tp_pp", small("all_reduce"))
             | on("dist_opt", small("all_reduce"))
@@ -107,6 +118,21 @@ LAYOUTS: dict[str, dict[str, Any]] = {
             for r in range(4)
         },
     },
+    # the same with Megatron's distributed optimizer: gradients reduce-scattered,
+    # parameters all-gathered, grad norm over the optimizer-instance group only
+    "dp2_tp2_distributed_optimizer": {
+        "world": 4,
+        "parallel": {"tp": 2},
+        "config": {"sequence_parallel": False},
+        "distributed_optimizer": True,
+        "expected": {
+            r: on("tp", both("all_reduce"))
+            | on("dp_cp", both("reduce_scatter", "all_gather"))
+            | on("dp", small("all_reduce"))
+            | on("dist_opt", small("all_reduce"))
+            for r in range(4)
+        },
+    },
     # ep, tp_ep and expert_tp_pp (0,1) (2,3); expert_dp (0,2) (1,3); dp 4
     "ep2_expert_dp2": {
         "world": 4,
@@ -115,6 +141,8 @@ LAYOUTS: dict[str, dict[str, Any]] = {
         "expected": {
             r: on("dp_cp", GRADS)
             | on("dp", small("all_reduce"))
+            | on("tp", small("all_reduce"))
+            | on("mp", small("all_reduce"))
             | on("ep", both("all_to_all"))
             | on("tp_ep", both("all_gather", "reduce_scatter"))
             | on("expert_dp", GRADS)
@@ -131,6 +159,8 @@ LAYOUTS: dict[str, dict[str, Any]] = {
         "expected": {
             r: on("cp", both("all_reduce", "batch_send_next", "batch_recv_prev"))
             | on("dp_cp", GRADS)
+            | on("tp", small("all_reduce"))
+            | on("mp", small("all_reduce"))
             | on("dist_opt", small("all_reduce"))
             for r in range(2)
         },
@@ -145,6 +175,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
             r: on("tp", both("all_reduce", "all_gather", "reduce_scatter"))
             | on("pp", both("all_reduce"))
             | UNBATCHED_PP2[r // 3]
+            | on("dp_cp", ONE_RANK_GRADS)
             | on("embedding", both("all_reduce"))
             | on("mp", small("all_reduce"))
             | on("dist_opt", small("all_reduce"))
@@ -172,8 +203,11 @@ def model_config(parallel: dict[str, int], overrides: dict[str, Any]) -> Any:
     )
 
 
-def warm_layout(parallel: dict[str, int], config: dict[str, Any] | None) -> dict[str, Any]:
+def warm_layout(
+    parallel: dict[str, int], config: dict[str, Any] | None, distributed_optimizer: bool | None
+) -> dict[str, Any]:
     import torch.distributed as dist
+    from megatron.core.distributed import DistributedDataParallelConfig
 
     from megastart.demo.cpu import destroy_megatron, initialize_megatron
     from megastart.warmup.api import reset_state, warmup_communicators
@@ -184,6 +218,9 @@ def warm_layout(parallel: dict[str, int], config: dict[str, Any] | None) -> dict
         report = warmup_communicators(
             settings=CommWarmupSettings(**SETTINGS),
             model_config=None if config is None else model_config(parallel, config),
+            ddp_config=None
+            if distributed_optimizer is None
+            else DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer),
         )
         return {
             "rank": dist.get_rank(),
@@ -213,7 +250,9 @@ def pools() -> Any:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_each_rank_warms_exactly_the_step_groups_and_operations(pools: Any, layout: str) -> None:
     spec = LAYOUTS[layout]
-    results = pools(spec["world"]).run(warm_layout, spec["parallel"], spec["config"])
+    results = pools(spec["world"]).run(
+        warm_layout, spec["parallel"], spec["config"], spec.get("distributed_optimizer")
+    )
     for result in results:
         rank, operations = result["rank"], result["operations"]
         assert len(operations) == len(set(operations)), f"rank {rank} repeated an operation"

@@ -41,6 +41,7 @@ def warmup_communicators(
     *,
     settings: CommWarmupSettings | None = None,
     model_config: Any = None,
+    ddp_config: Any = None,
     parallel_state: ModuleType | None = None,
     trigger: str = API_TRIGGER,
 ) -> WarmupReport:
@@ -54,6 +55,11 @@ def warmup_communicators(
     :param model_config: the model's ``TransformerConfig``: selects the operations
         that depend on it (sequence parallel, batched pipeline p2p, MoE
         dispatcher, context-parallel exchange). ``None`` warms every variant.
+    :param ddp_config: Megatron's ``DistributedDataParallelConfig``: with the
+        distributed optimizer, gradients are reduce-scattered and the grad norm
+        reduced over the optimizer-instance group; without, all-reduced and over
+        the model-parallel group. ``None`` warms both (each extra communicator
+        costs device memory).
     :param parallel_state: the ``megatron.core.parallel_state`` module in use.
     :param trigger: what ran it, for the report.
     :raises megastart.distributed.CollectiveError: on every rank, if any rank
@@ -66,7 +72,7 @@ def warmup_communicators(
     if parallel_state is None:
         from megatron.core import parallel_state
     try:
-        _report = _warmup(settings, model_config, parallel_state, trigger)
+        _report = _warmup(settings, model_config, ddp_config, parallel_state, trigger)
     except BaseException as e:
         _failure = e
         raise
@@ -85,10 +91,11 @@ def warmup_for_engine(engine: EngineContext, trigger: str) -> WarmupReport | Non
         return None
     if _report is not None:
         return None
-    chunks = engine.model_chunks
+    first = engine.model_chunks[0] if engine.model_chunks else None
     return warmup_communicators(
         settings=settings,
-        model_config=getattr(chunks[0], "config", None) if chunks else None,
+        model_config=getattr(first, "config", None),
+        ddp_config=getattr(first, "ddp_config", None),  # when the host hands over DDP chunks
         parallel_state=engine.parallel_state,
         trigger=trigger,
     )
@@ -110,7 +117,11 @@ def reset_state() -> None:
 
 
 def _warmup(
-    settings: CommWarmupSettings, model_config: Any, parallel_state: ModuleType, trigger: str
+    settings: CommWarmupSettings,
+    model_config: Any,
+    ddp_config: Any,
+    parallel_state: ModuleType,
+    trigger: str,
 ) -> WarmupReport:
     import torch.distributed as dist
 
@@ -129,7 +140,7 @@ def _warmup(
         ) from e
     try:
         with all_or_none("comm_warmup: plan", timeout_s=timeout_s, control=control):
-            warm = groups.step_groups(parallel_state, model_config)
+            warm = groups.step_groups(parallel_state, model_config, ddp_config)
             steps = ops.plan(
                 warm,
                 message_bytes=settings.message_bytes,

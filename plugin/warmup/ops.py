@@ -55,7 +55,8 @@ def plan(
     for warm in groups:
         device = _device(warm.group)
         for op in warm.ops:
-            for nbytes in sizes[:1] if op.scalar else sizes:
+            one_size = op.scalar or len(warm.ranks) == 1  # one rank: nothing to connect
+            for nbytes in sizes[:1] if one_size else sizes:
                 label = f"{op.kind}:{nbytes}"
                 if any(s.group == warm.name and s.op == label for s in steps):
                     continue  # also reached through another row of the table
