@@ -194,7 +194,11 @@ def measure(
         "checkpoint_bytes": checkpoint_bytes,
         "checkpoint_tensors": len(meta.tensors),
         "checkpoint_files": len(files),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "load_average_at_start": os.getloadavg()[0],
+        },
         "limits": {
             "read_gbps": read_bytes / read_s / 1e9,
             "broadcast_gbps": probe / broadcast_s / 1e9,
@@ -221,6 +225,7 @@ def measure(
             result.transient_bytes / 1e9,
         )
         results["strategies"][name] = asdict(result)
+    results["machine"]["load_average_at_end"] = os.getloadavg()[0]
     reference = results["strategies"]["megastart"]["checksums"]
     for result in results["strategies"].values():
         result["weights_match_megastart"] = result["checksums"] == reference
@@ -316,7 +321,9 @@ def render(results: dict[str, Any]) -> str:
         f"megastart bench loader — {results['architecture']}, "
         f"{results['checkpoint_bytes'] / gb:.2f} GB checkpoint "
         f"({results['checkpoint_tensors']} tensors in {results['checkpoint_files']} files), "
-        f"{layout.describe()}, gloo on {results['machine']['cpus']} CPU cores",
+        f"{layout.describe()}, gloo on {results['machine']['cpus']} CPU cores "
+        f"(load average {results['machine']['load_average_at_start']:.1f} at the start, "
+        f"{results['machine']['load_average_at_end']:.1f} at the end)",
         "",
         f"{'strategy':<16} {'wall s':>7} {'x ms':>6} {'node peak GB':>13} {'transient GB':>13} "
         f"{'x ms':>6} {'rank peaks GB':>14} {'read GB':>8} {'x ckpt':>7}  weights = megastart",
