@@ -1,0 +1,32 @@
+"""Names megatron-bridge's LoRA modules reference at import time; none can be built."""
+
+import torch
+
+
+class _Unavailable(torch.nn.Module):
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError(
+            f"{type(self).__name__} is a test stub: Transformer Engine is not installed"
+        )
+
+
+class Linear(_Unavailable):
+    pass
+
+
+class LayerNormLinear(_Unavailable):
+    pass
+
+
+class TransformerLayer(_Unavailable):
+    pass
+
+
+class _Ops:
+    """``te.ops``: megatron-bridge annotates methods with ``te.ops.Sequential``."""
+
+    class Sequential(_Unavailable):
+        pass
+
+
+ops = _Ops()
