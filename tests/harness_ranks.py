@@ -8,7 +8,11 @@ import torch
 
 
 def reference_copy_logits(
-    hf_config: Any, hf_state: dict[str, torch.Tensor], layout: dict[str, int], tokens: torch.Tensor
+    hf_config: Any,
+    hf_state: dict[str, torch.Tensor],
+    layout: dict[str, int],
+    tokens: torch.Tensor,
+    **config_overrides: Any,
 ) -> torch.Tensor:
     """Build this rank's chunks, copy the HF weights in by the reference copier, forward."""
     from reference_copy import copy_hf_weights
@@ -18,7 +22,7 @@ def reference_copy_logits(
 
     initialize_megatron(**layout)
     try:
-        chunks = build_gpt_chunks(hf_config)
+        chunks = build_gpt_chunks(hf_config, **config_overrides)
         copy_hf_weights(chunks, hf_state)
         return forward_logits(chunks, tokens)
     finally:

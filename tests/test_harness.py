@@ -93,6 +93,13 @@ def test_expert_parallel_logits_match_transformers(
     assert_every_rank_matches(results, expected)
 
 
+def test_uneven_pipeline_stages_match_transformers(rank_pools: Any, hf_models: Any) -> None:
+    config, state, expected = hf_models("qwen3")
+    uneven = {"num_layers_in_first_pipeline_stage": 1}  # 1 layer on stage 0, 3 on stage 1
+    results = rank_pools[4].run(reference_copy_logits, config, state, dict(pp=2), TOKENS, **uneven)
+    assert_every_rank_matches(results, expected)
+
+
 def test_destroy_megatron_undoes_the_shims(rank_pools: Any) -> None:
     for during, restored, still_initialized in rank_pools[4].run(shims_during_and_after):
         assert during == "cpu"

@@ -25,7 +25,11 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwe
 
 
 def build_gpt_chunks(
-    hf_config: Any, *, dtype: torch.dtype | None = None, layer_spec: str = "local"
+    hf_config: Any,
+    *,
+    dtype: torch.dtype | None = None,
+    layer_spec: str = "local",
+    **config_overrides: Any,
 ) -> list[GPTModel]:
     """Build this rank's GPTModel chunks (one per virtual pipeline stage) for ``hf_config``.
 
@@ -39,8 +43,12 @@ def build_gpt_chunks(
     :param dtype: parameter dtype (default ``torch.float32``).
     :param layer_spec: ``"local"`` (Megatron-core's own modules); Transformer
         Engine's spec needs a GPU and is not built here.
+    :param config_overrides: TransformerConfig fields to replace, e.g.
+        ``num_layers_in_first_pipeline_stage=1`` for uneven pipeline stages.
     :returns: the chunks in virtual-stage order, each in eval mode.
     """
+    import dataclasses
+
     import torch
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -51,6 +59,8 @@ def build_gpt_chunks(
             f"build_gpt_chunks: layer_spec={layer_spec!r} is not supported on CPU; use 'local'"
         )
     config = transformer_config(hf_config, dtype=dtype or torch.float32)
+    if config_overrides:
+        config = dataclasses.replace(config, **config_overrides)
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     vpp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
