@@ -12,27 +12,13 @@ from pathlib import Path
 
 import pytest
 
-TINY_QWEN2 = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=320,
-    max_position_embeddings=64,
-    tie_word_embeddings=False,
-)
-
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """A Qwen2 of 4 layers, 8 heads in 4 KV groups, FFN 128, fp32 (sharded, with an index)."""
+    from megastart.demo.checkpoints import make_checkpoint
 
-    path = tmp_path_factory.mktemp("tiny-qwen2")
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(Qwen2Config(**TINY_QWEN2)).save_pretrained(path)
-    return path
+    return make_checkpoint("qwen2", tmp_path_factory.mktemp("tiny-qwen2"))
 
 
 def megastart_demo(
@@ -121,8 +107,8 @@ def test_layout_that_does_not_divide_the_model_fails_before_any_rank_starts(
     start = time.monotonic()
     proc = megastart_demo("--checkpoint", str(tiny_checkpoint), "--tp", "3", "--out", str(tmp_path))
     assert proc.returncode == 2
-    assert "--tp 3 does not divide num_attention_heads=4" in proc.stderr
-    assert "num_key_value_heads=2" in proc.stderr and "Valid --tp: [1, 2]" in proc.stderr
+    assert "--tp 3 does not divide num_attention_heads=8" in proc.stderr
+    assert "num_key_value_heads=4" in proc.stderr and "Valid --tp: [1, 2, 4]" in proc.stderr
     assert "starting" not in proc.stderr and time.monotonic() - start < 60
     assert not (tmp_path / "megastart-demo.json").exists()
 
@@ -136,8 +122,11 @@ def test_layout_that_does_not_divide_the_model_fails_before_any_rank_starts(
     assert "valid --pp: [1, 2, 4]" in proc.stderr
 
 
-def test_architecture_without_a_mapping_fails_before_any_rank_starts(tmp_path: Path) -> None:
-    config = {"model_type": "qwen2", "architectures": ["Qwen2ForTokenClassification"], **TINY_QWEN2}
+def test_architecture_without_a_mapping_fails_before_any_rank_starts(
+    tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    config = json.loads((tiny_checkpoint / "config.json").read_text())
+    config["architectures"] = ["Qwen2ForTokenClassification"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     proc = megastart_demo("--checkpoint", str(tmp_path))
     assert proc.returncode == 2

@@ -34,6 +34,11 @@ ARCH = "qwen2"
 DEFAULT_SIZE_MB = 300
 JSON_NAME, PNG_NAME = "megastart-demo.json", "megastart-demo.png"
 
+BUCKET_ENV, DEMO_BUCKET_MB = "MEGASTART_RANK0_LOADER_BUCKET_MB", "16"
+"""The demo's ``rank0_loader.bucket_mb`` unless the user sets it: the loader's default
+(256 MiB) is sized for checkpoints of tens of GB; at 300 MB a bucket that size
+would hold most of the checkpoint on every rank at once."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -67,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
     from megastart.demo.checks import DemoError, Layout
 
     started = time.perf_counter()
+    set_by_demo = {} if BUCKET_ENV in os.environ else {BUCKET_ENV: DEMO_BUCKET_MB}
+    os.environ.update(set_by_demo)  # the ranks inherit the environment
     layout = Layout(ranks=args.ranks, tp=args.tp, pp=args.pp)
     try:
         checkpoint = _checkpoint(args, layout)
@@ -74,12 +81,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"megastart demo: {e}", file=sys.stderr)
         return 2
     from megastart.demo.scenario import run_demo
+    from megastart.launch import RankFailure
 
-    results = run_demo(str(checkpoint), layout, timeout_s=args.timeout_s)
+    try:
+        results = run_demo(str(checkpoint), layout, timeout_s=args.timeout_s)
+    except RankFailure as e:
+        print(f"megastart demo: a step failed on the ranks.\n{e}", file=sys.stderr)
+        return 1
     results["command"] = (
         "megastart demo " + " ".join(sys.argv[2:]) if sys.argv[2:] else "megastart demo"
     )
     results["total_seconds"] = time.perf_counter() - started
+    results["settings"] = _settings()
+    results["set_by_demo"] = set_by_demo
     args.out.mkdir(parents=True, exist_ok=True)
     json_path = args.out / JSON_NAME
     results["table"] = render_table(results)
@@ -121,9 +135,17 @@ def render_table(results: dict[str, Any]) -> str:
             f"({', '.join(warmup['groups'])}), {len(warmup['operations'])} operations, "
             f"{warmup['seconds']:.2f} s"
         )
+    bucket = results["settings"].get("rank0_loader", {}).get("bucket_mb", {})
     lines += [
         "",
         f"warmup: {what}",
+        f"rank0_loader.bucket_mb = {bucket.get('value')} ("
+        + (
+            "the demo's default for its small checkpoint; the loader's own is 256"
+            if BUCKET_ENV in results["set_by_demo"]
+            else bucket.get("source", "")
+        )
+        + ")",
         "",
         "wall s: on_model_load's LoadReport.seconds / every_rank_full between two barriers; "
         "node peak: the most the ranks held together during the load (sum of their PSS, "
@@ -155,9 +177,7 @@ def _checkpoint(args: argparse.Namespace, layout: Any) -> Path:
     hf_config = scaled_config(ARCH, int(args.size_mb * 1e6))
     config = hf_config.to_dict()
     name = f"demo {ARCH}-{args.size_mb:g}MB"
-    check_architecture(
-        config | {"architectures": hf_config.architectures}, name, loader_enabled=loader_enabled
-    )
+    check_architecture(config, name, loader_enabled=loader_enabled)
     check_layout(layout, config, name)
     path = _cache_dir() / hashlib.sha256(hf_config.to_json_string().encode()).hexdigest()[:16]
     if not (path / "config.json").is_file():
@@ -175,6 +195,13 @@ def _checkpoint(args: argparse.Namespace, layout: Any) -> Path:
 def _cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "megastart" / "demo"
+
+
+def _settings() -> dict[str, Any]:
+    """The resolved megastart settings the ranks ran with, each with its source."""
+    from megastart.manager import get_settings
+
+    return get_settings().as_dict()
 
 
 def _plugin_loaded(name: str) -> bool:
