@@ -104,6 +104,21 @@ LAYOUTS: dict[str, dict[str, Any]] = {
             for r in range(4)
         },
     },
+    # interleaved schedule: the last stage also sends to the first (a third phase)
+    "pp4_vpp2": {
+        "world": 4,
+        "parallel": {"pp": 4, "vpp": 2},
+        "config": {"batch_p2p_comm": False},
+        "expected": {
+            r: on("pp", both("all_reduce", *MIDDLE))
+            | (on("embedding", both("all_reduce")) if r in (0, 3) else set())
+            | on("tp", small("all_reduce"))
+            | on("dp_cp", ONE_RANK_GRADS)
+            | on("mp", small("all_reduce"))
+            | on("dist_opt", small("all_reduce"))
+            for r in range(4)
+        },
+    },
     # tp (0,1) (2,3); dp and dp_cp (0,2) (1,3): two communicators over the same ranks
     "dp2_tp2": {
         "world": 4,
