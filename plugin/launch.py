@@ -102,12 +102,18 @@ class RankPool:
             self._start()
         task = pickle.dumps((fn, args, kwargs))
         what = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)!s}"
-        for worker in self._workers:
-            try:
-                worker.conn.send_bytes(task)
-            except OSError:  # the worker died while idle: collect below as dead
-                pass
-        results = self._collect(what, time.monotonic() + self.timeout_s)
+        try:
+            for worker in self._workers:
+                try:
+                    worker.conn.send_bytes(task)
+                except OSError:  # the worker died while idle: collected below as dead
+                    pass
+            results = self._collect(what, time.monotonic() + self.timeout_s)
+        except RankFailure:
+            raise
+        except BaseException:  # e.g. KeyboardInterrupt: the ranks are mid-task, unusable
+            self.close()
+            raise
         return [value for _, value in results]
 
     def close(self) -> None:
@@ -151,7 +157,13 @@ class RankPool:
             child_end.close()
             self._workers.append(_Worker(rank, process, parent_end))
         self._finalizer = weakref.finalize(self, _kill, list(self._workers))
-        self._collect("starting the world (init_process_group)", time.monotonic() + self.timeout_s)
+        try:
+            self._collect(
+                "starting the world (init_process_group)", time.monotonic() + self.timeout_s
+            )
+        except BaseException:
+            self.close()
+            raise
 
     def _collect(self, what: str, deadline: float) -> list[tuple[bool, Any]]:
         """Wait for one answer per rank; on any failure raise, tearing down if needed."""

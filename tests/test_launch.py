@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
 
 import psutil
@@ -50,12 +52,12 @@ def read_env(name: str) -> str | None:
 
 
 def test_results_come_back_in_rank_order() -> None:
-    results = run_ranks(3, rank_and_sum, 10, scale=2, timeout_s=60)
+    results = run_ranks(3, rank_and_sum, 10, scale=2, timeout_s=180)
     assert results == [(0, 3, 26.0), (1, 3, 26.0), (2, 3, 26.0)]
 
 
 def test_exception_on_one_rank_is_reported_with_its_traceback_and_pool_survives() -> None:
-    with RankPool(2, timeout_s=60) as pool:
+    with RankPool(2, timeout_s=180) as pool:
         with pytest.raises(RankFailure) as failure:
             pool.run(fail_on_rank_one)
         message = str(failure.value)
@@ -68,7 +70,7 @@ def test_exception_on_one_rank_is_reported_with_its_traceback_and_pool_survives(
 
 
 def test_dead_rank_is_reported_and_pool_restarts() -> None:
-    with RankPool(2, timeout_s=60, grace_s=1) as pool:
+    with RankPool(2, timeout_s=180, grace_s=1) as pool:
         pids = pool.run(worker_pid)
         start = time.monotonic()
         with pytest.raises(RankFailure, match=r"ranks that died: 1 \(exit code 3\)") as failure:
@@ -81,7 +83,7 @@ def test_dead_rank_is_reported_and_pool_restarts() -> None:
 
 
 def test_hanging_task_is_reported_after_timeout() -> None:
-    with RankPool(2, timeout_s=20) as pool:
+    with RankPool(2, timeout_s=180) as pool:
         pids = pool.run(worker_pid)
         pool.timeout_s = 2
         start = time.monotonic()
@@ -92,7 +94,7 @@ def test_hanging_task_is_reported_after_timeout() -> None:
 
 
 def test_close_leaves_no_process_behind() -> None:
-    pool = RankPool(2, timeout_s=60)
+    pool = RankPool(2, timeout_s=180)
     pids = pool.run(worker_pid)
     pool.close()
     assert not any(psutil.pid_exists(pid) for pid in pids)
@@ -109,3 +111,17 @@ def test_env_reaches_each_rank() -> None:
         2, read_env, "MEGASTART_TEST_VALUE", env=lambda r: {"MEGASTART_TEST_VALUE": f"r{r}"}
     )
     assert values == ["r0", "r1"]
+
+
+def test_interrupt_during_run_kills_the_workers() -> None:
+    with RankPool(2, timeout_s=180) as pool:
+        pids = pool.run(worker_pid)
+        timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                pool.run(hang)
+        finally:
+            timer.cancel()
+        assert not pool.alive
+        assert not any(psutil.pid_exists(pid) for pid in pids)
