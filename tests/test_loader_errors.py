@@ -122,12 +122,13 @@ def test_unexpected_tensor_is_an_error_when_strict_and_a_warning_otherwise(
 
 
 def test_shape_mismatch_names_tensor_parameter_and_shapes(pool: RankPool, checkpoint: Path) -> None:
-    name = "model.layers.0.self_attn.o_proj.weight"
+    name = "model.layers.0.mlp.down_proj.weight"
     edit_tensors(checkpoint, name, lambda t: t.update({name: t[name].t().contiguous()}))
     message = same_on_every_rank(pool.run(load_expecting_error, str(checkpoint), TP2, {}))
-    rows, cols = load_file_shape(checkpoint, name)  # transposed: [heads * head_dim, hidden]
+    rows, cols = load_file_shape(checkpoint, name)  # transposed: [intermediate, hidden]
+    assert rows != cols, "the test needs a non-square tensor"
     assert f"HF tensor '{name}' has shape [{rows}, {cols}], expected [{cols}, {rows}]" in message
-    param = "'decoder.layers.0.self_attention.linear_proj.weight'"
+    param = "'decoder.layers.0.mlp.linear_fc2.weight'"
     assert f"Megatron parameter {param} (shape [{cols}, {rows // 2}]" in message  # TP2 shard
 
 
