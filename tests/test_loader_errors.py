@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +27,9 @@ from megastart.records import LoadReport
 TP2 = {"tp": 2}
 
 
-@pytest.fixture(scope="module")
-def pool() -> Iterator[RankPool]:
-    with RankPool(2, timeout_s=180) as pool:
-        yield pool
+@pytest.fixture
+def pool(rank_pools: dict[int, RankPool]) -> RankPool:
+    return rank_pools[2]
 
 
 @pytest.fixture(scope="module")

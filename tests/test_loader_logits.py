@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,21 +34,6 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def pools() -> Iterator[dict[int, RankPool]]:
-    """One pool per world size, shared by every case of the module."""
-    made: dict[int, RankPool] = {}
-
-    class Pools(dict):
-        def __missing__(self, world: int) -> RankPool:
-            made[world] = self[world] = RankPool(world, timeout_s=180)
-            return made[world]
-
-    yield Pools()
-    for pool in made.values():
-        pool.close()
-
-
-@pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """``(arch, tied, kv_heads) -> (directory, transformers logits)``, each made once."""
     from megastart.demo.checkpoints import make_checkpoint
@@ -77,11 +61,11 @@ def assert_logits_match(results: list[tuple[Any, torch.Tensor]], expected: torch
 
 @pytest.mark.parametrize(("arch", "layout", "tied"), CASES)
 def test_logits_match_transformers(
-    pools: Any, checkpoints: Any, arch: str, layout: str, tied: bool
+    rank_pools: Any, checkpoints: Any, arch: str, layout: str, tied: bool
 ) -> None:
     world, parallel = LAYOUTS[layout]
     directory, expected = checkpoints(arch, tied)
-    results = pools[world].run(load_and_forward, directory, parallel, {})
+    results = rank_pools[world].run(load_and_forward, directory, parallel, {})
     assert_logits_match(results, expected)
     report = results[0][0]
     assert report.reader_ranks == (0,)
@@ -91,36 +75,38 @@ def test_logits_match_transformers(
     assert report.bytes_broadcast >= report.bytes_read  # every tensor sent once (fp32 in, fp32 out)
 
 
-def test_uneven_pipeline_stages(pools: Any, checkpoints: Any) -> None:
+def test_uneven_pipeline_stages(rank_pools: Any, checkpoints: Any) -> None:
     directory, expected = checkpoints("qwen3", False)
     uneven = {"num_layers_in_first_pipeline_stage": 1}  # 1 layer on stage 0, 3 on stage 1
     assert_logits_match(
-        pools[2].run(load_and_forward, directory, {"pp": 2}, {}, **uneven), expected
+        rank_pools[2].run(load_and_forward, directory, {"pp": 2}, {}, **uneven), expected
     )
 
 
-def test_mha_checkpoint_loads_with_tp2_pp2(pools: Any, checkpoints: Any) -> None:
+def test_mha_checkpoint_loads_with_tp2_pp2(rank_pools: Any, checkpoints: Any) -> None:
     directory, expected = checkpoints("llama", False, kv_heads=8)
-    assert_logits_match(pools[4].run(load_and_forward, directory, {"tp": 2, "pp": 2}, {}), expected)
+    assert_logits_match(
+        rank_pools[4].run(load_and_forward, directory, {"tp": 2, "pp": 2}, {}), expected
+    )
 
 
 def test_gloo_transport_and_large_buckets_give_the_same_logits(
-    pools: Any, checkpoints: Any
+    rank_pools: Any, checkpoints: Any
 ) -> None:
     directory, expected = checkpoints("qwen2", True)
-    results = pools[2].run(
+    results = rank_pools[2].run(
         load_and_forward, directory, {"tp": 2}, {"transport": "gloo", "bucket_mb": 256}
     )
     assert_logits_match(results, expected)
 
 
 def test_node_readers_each_read_the_checkpoint_once_for_their_node(
-    pools: Any, checkpoints: Any
+    rank_pools: Any, checkpoints: Any
 ) -> None:
     directory, expected = checkpoints("llama", False)
-    results = pools[4].run(load_as_nodes, directory, {"tp": 2}, 2)
+    results = rank_pools[4].run(load_as_nodes, directory, {"tp": 2}, 2)
     assert_logits_match(results, expected)
-    single = pools[4].run(load_and_forward, directory, {"tp": 2}, {})[0][0]
+    single = rank_pools[4].run(load_and_forward, directory, {"tp": 2}, {})[0][0]
     report = results[0][0]
     assert report.reader_ranks == (0, 2)
     assert report.bytes_read == 2 * single.bytes_read
@@ -130,12 +116,12 @@ def test_node_readers_each_read_the_checkpoint_once_for_their_node(
     ("world", "parallel"), [(2, {"cp": 2}), (4, {"tp": 2, "cp": 2})], ids=["cp2", "tp2_cp2"]
 )
 def test_context_parallel_ranks_load_the_same_parameters_as_without_cp(
-    pools: Any, checkpoints: Any, world: int, parallel: dict[str, int]
+    rank_pools: Any, checkpoints: Any, world: int, parallel: dict[str, int]
 ) -> None:
     directory, _ = checkpoints("qwen3", False)
-    with_cp = pools[world].run(load_parameters, directory, parallel)
+    with_cp = rank_pools[world].run(load_parameters, directory, parallel)
     without_cp = dict(
-        pools[world].run(
+        rank_pools[world].run(
             load_parameters, directory, {k: v for k, v in parallel.items() if k != "cp"}
         )
     )
