@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
 import tempfile
 import time
@@ -154,7 +153,7 @@ def _throughput(directory: Path, device, settings, args) -> dict:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         gpu_before = torch.cuda.memory_allocated()
-    rss_before = _max_rss_bytes()
+    rss_before = _reset_peak_rss()
     start = time.perf_counter()
     report = load_hf_checkpoint(chunks, str(directory), settings=settings)
     if device.type == "cuda":
@@ -177,7 +176,7 @@ def _throughput(directory: Path, device, settings, args) -> dict:
         "seconds": seconds,
         "gb_per_s": nbytes / seconds / 1e9,
         "report": report.summary(),
-        "host_peak_rss_growth_gb": (_max_rss_bytes() - rss_before) / 1e9,
+        "host_peak_rss_growth_gb": None if rss_before is None else (_peak_rss() - rss_before) / 1e9,
         "sampled_parameters_bit_exact": bool(exact),
     }
     if device.type == "cuda":
@@ -232,8 +231,24 @@ def _write_random_checkpoint(directory: Path, config) -> int:
     return total
 
 
-def _max_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def _reset_peak_rss() -> int | None:
+    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS and return it; None if not allowed."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return None
+    return _status_bytes("VmRSS")
+
+
+def _peak_rss() -> int:
+    return _status_bytes("VmHWM")
+
+
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
 
 
 if __name__ == "__main__":
