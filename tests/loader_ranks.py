@@ -192,3 +192,18 @@ def load_for_engine_counting_warnings(checkpoint: str) -> tuple[Any, int]:
             return load_for_engine(engine, checkpoint), len(warnings)
     finally:
         logger.removeHandler(handler)
+
+
+def process_groups_before_and_after_load(
+    checkpoint: str, layout: dict[str, int]
+) -> tuple[int, int]:
+    """How many process groups exist before and after a load (the loader's own must be gone)."""
+    from torch.distributed import distributed_c10d
+
+    from megastart import load_hf_checkpoint
+
+    with megatron(layout):
+        chunks = build(checkpoint)
+        before = len(distributed_c10d._world.pg_map)
+        load_hf_checkpoint(chunks, checkpoint, settings=settings(reader="node"))
+        return before, len(distributed_c10d._world.pg_map)

@@ -8,7 +8,13 @@ from typing import Any
 
 import pytest
 import torch
-from loader_ranks import load_and_forward, load_as_nodes, load_parameters, reference_logits
+from loader_ranks import (
+    load_and_forward,
+    load_as_nodes,
+    load_parameters,
+    process_groups_before_and_after_load,
+    reference_logits,
+)
 
 from megastart.launch import RankPool
 
@@ -146,3 +152,11 @@ def test_world_of_eight_dp2_tp2_pp2(checkpoints: Any) -> None:
     with RankPool(8, timeout_s=300) as pool:
         results = pool.run(load_and_forward, directory, {"tp": 2, "pp": 2}, {})
     assert_logits_match(results, expected)
+
+
+def test_loader_destroys_its_own_process_groups(rank_pools: Any, checkpoints: Any) -> None:
+    directory, _ = checkpoints("llama", False)
+    for before, after in rank_pools[2].run(
+        process_groups_before_and_after_load, directory, {"tp": 2}
+    ):
+        assert after == before
