@@ -139,6 +139,7 @@ def _warmup(
             f"no communicator was touched: {type(e).__name__}: {e}"
         ) from e
     try:
+        _check_same_settings(settings, control)
         with all_or_none("comm_warmup: plan", timeout_s=timeout_s, control=control):
             warm = groups.step_groups(parallel_state, model_config, ddp_config)
             steps = ops.plan(
@@ -164,6 +165,25 @@ def _warmup(
     if dist.get_rank() == 0:
         log.info("megastart: %s", report.summary())
     return report
+
+
+def _check_same_settings(settings: CommWarmupSettings, control: Any) -> None:
+    """Raise on every rank if the ranks' settings differ (e.g. an environment variable
+    set on one node only): their operations would not match, and would wait."""
+    import torch.distributed as dist
+
+    from megastart.distributed import CollectiveError
+
+    mine = {"message_bytes": tuple(settings.message_bytes), "timeout_s": settings.timeout_s}
+    everyone: list[Any] = [None] * dist.get_world_size(control)
+    dist.all_gather_object(everyone, mine, group=control)
+    if any(theirs != everyone[0] for theirs in everyone):
+        per_rank = "; ".join(f"rank {rank}: {theirs}" for rank, theirs in enumerate(everyone))
+        raise CollectiveError(
+            f"comm_warmup: the ranks' settings differ ({per_rank}); set the "
+            "MEGASTART_COMM_WARMUP_* variables (or the megastart.comm_warmup config) the same "
+            "on every rank"
+        )
 
 
 def _gpu_free_bytes() -> int | None:
