@@ -54,12 +54,14 @@ def plan(
     steps: list[Step] = []
     for warm in groups:
         device = _device(warm.group)
+        planned: set[str] = set()  # an operation may come from two rows (scalar or not)
         for op in warm.ops:
             one_size = op.scalar or len(warm.ranks) == 1  # one rank: nothing to connect
             for nbytes in sizes[:1] if one_size else sizes:
                 label = f"{op.kind}:{nbytes}"
-                if any(s.group == warm.name and s.op == label for s in steps):
-                    continue  # also reached through another row of the table
+                if label in planned:
+                    continue
+                planned.add(label)
                 if op.kind == PIPELINE_P2P:
                     steps += p2p.pipeline_steps(
                         warm,
