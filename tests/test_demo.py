@@ -63,7 +63,8 @@ def test_demo_table_png_and_json_exist_and_agree(tiny_checkpoint: Path, tmp_path
     rows = {
         m["loader"]: m
         for m in re.finditer(
-            r"^\| (?P<loader>\S+) \| (?P<wall>[\d.]+) \| (?P<peak>\d+) \| (?P<added>-?\d+) \| (?P<read>\d+) \|$",
+            r"^\| (?P<loader>\S+) \| (?P<wall>[\d.]+) \| (?P<peak>\d+) \| (?P<added>-?\d+) "
+            r"\| (?P<rank_peaks>-?\d+) \| (?P<read>\d+) \|$",
             proc.stdout,
             re.MULTILINE,
         )
@@ -73,6 +74,8 @@ def test_demo_table_png_and_json_exist_and_agree(tiny_checkpoint: Path, tmp_path
         figures = results["loaders"][loader]
         assert float(row["wall"]) == pytest.approx(figures["seconds"], abs=0.005)
         assert int(row["peak"]) == round(figures["node_peak_bytes"] / 1e6)
+        assert int(row["added"]) == round(figures["added_bytes"] / 1e6)
+        assert int(row["rank_peaks"]) == round(figures["rank_peaks_added_bytes"] / 1e6)
         assert int(row["read"]) == round(figures["bytes_read"] / 1e6)
 
     # megastart read the checkpoint once; every one of the 4 ranks read it all in the baseline.

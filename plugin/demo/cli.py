@@ -3,8 +3,8 @@
 A small Megatron-core job on CPU ranks over gloo (default: 4 ranks, TP2 x PP2)
 acts as the host and calls megastart's hooks where verl or AReaL would:
 
-  1. on_model_load loads a Qwen2-shaped HF checkpoint (~300 MB, made once and
-     cached under ~/.cache/megastart/demo) with a progress bar;
+  1. on_model_load loads a Qwen2-shaped fp32 HF checkpoint (~300 MB, made once
+     and cached under ~/.cache/megastart/demo) with a progress bar;
   2. the loaded model's logits are checked against transformers (fp32);
   3. a simulated restart: a Megatron distributed checkpoint is saved and
      restored, then post_recover_load and pre_first_step run, then one real
@@ -30,7 +30,9 @@ from typing import Any
 
 HELP = "load, check, restart and train a small Megatron model on CPU through megastart's hooks"
 
-ARCH = "qwen2"
+ARCH, DTYPE = "qwen2", "float32"
+"""The demo's own checkpoint: Qwen2-shaped, in the dtype the CPU model trains in, so that,
+as in a bf16 job on GPUs, the checkpoint's dtype is the parameters' (no conversion)."""
 DEFAULT_SIZE_MB = 300
 JSON_NAME, PNG_NAME = "megastart-demo.json", "megastart-demo.png"
 
@@ -118,13 +120,14 @@ def render_table(results: dict[str, Any]) -> str:
         f"(TP{layout['tp']} x PP{layout['pp']} x DP{layout['dp']}), gloo on "
         f"{results['machine']['cpus']} CPU cores",
         "",
-        "| loader | wall s | node peak MB | added by the load MB | read MB |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        "| loader | wall s | node peak MB | added by the load MB | rank peaks added MB | read MB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, row in results["loaders"].items():
         lines.append(
             f"| {name} | {row['seconds']:.2f} | {row['node_peak_bytes'] / 1e6:.0f} | "
-            f"{row['added_bytes'] / 1e6:.0f} | {row['bytes_read'] / 1e6:.0f} |"
+            f"{row['added_bytes'] / 1e6:.0f} | {row['rank_peaks_added_bytes'] / 1e6:.0f} | "
+            f"{row['bytes_read'] / 1e6:.0f} |"
         )
     warmup = results["megastart"]["warmup"]
     if warmup is None:
@@ -147,11 +150,14 @@ def render_table(results: dict[str, Any]) -> str:
         )
         + ")",
         "",
-        "wall s: on_model_load's LoadReport.seconds / every_rank_full between two barriers; "
-        "node peak: the most the ranks held together during the load (sum of their PSS, "
-        "sampled every "
-        f"{results['memory']['period_s'] * 1e3:.0f} ms); added: peak minus the moment before "
-        "the load; read: bytes read from the checkpoint files by all ranks together.",
+        "wall s: on_model_load's LoadReport.seconds / every_rank_full's time between a barrier "
+        "before and after (slowest rank). node peak: the most the ranks held together during the "
+        "load, the sum of their PSS sampled every "
+        f"{results['memory']['period_s'] * 1e3:.0f} ms; added: that peak minus the moment before "
+        "the load. rank peaks added: the sum over the ranks of the kernel's peak RSS during the "
+        "load (VmHWM) minus their RSS before it; no sampling gap hides a peak from it, but peaks "
+        "that did not coincide add up. read: bytes read from the checkpoint files, all ranks "
+        "together.",
     ]
     return "\n".join(lines)
 
@@ -174,7 +180,7 @@ def _checkpoint(args: argparse.Namespace, layout: Any) -> Path:
         return path
     from megastart.demo.checkpoints import make_checkpoint, scaled_config
 
-    hf_config = scaled_config(ARCH, int(args.size_mb * 1e6))
+    hf_config = scaled_config(ARCH, int(args.size_mb * 1e6), dtype=DTYPE)
     config = hf_config.to_dict()
     name = f"demo {ARCH}-{args.size_mb:g}MB"
     check_architecture(config, name, loader_enabled=loader_enabled)
@@ -183,7 +189,8 @@ def _checkpoint(args: argparse.Namespace, layout: Any) -> Path:
     if not (path / "config.json").is_file():
         start = time.perf_counter()
         print(
-            f"making the demo checkpoint ({args.size_mb:g} MB, {ARCH}) in {path}", file=sys.stderr
+            f"making the demo checkpoint ({args.size_mb:g} MB, {ARCH}, {DTYPE}) in {path}",
+            file=sys.stderr,
         )
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
         make_checkpoint(hf_config, tmp)

@@ -35,7 +35,7 @@ MEGASTART, BASELINE = "megastart", "every_rank_full"
 
 
 def run_demo(
-    checkpoint: str, layout: Layout, *, timeout_s: float, sample_s: float = 0.05
+    checkpoint: str, layout: Layout, *, timeout_s: float, sample_s: float = 0.02
 ) -> dict[str, Any]:
     """Run both loaders on ``checkpoint`` in ``layout``; everything the table, JSON and plot need."""
     from megastart.bench import strategies
@@ -49,7 +49,7 @@ def run_demo(
         with RankPool(layout.ranks, timeout_s=timeout_s) as pool:
             pids = pool.run(os.getpid)
             with PssSampler(pids, period_s=sample_s) as sampler:
-                steps = _Steps(pool, sampler)
+                steps = _Steps(pool, sampler, pids)
                 ours = _megastart_run(
                     steps, host, checkpoint, layout, input_ids, reference, recover_dir
                 )
@@ -94,7 +94,7 @@ def _megastart_run(
     steps("start Megatron", host.start, checkpoint, layout.tp, layout.pp)
     steps("build model", host.build_model)
     _say("[1/4] loading the checkpoint through on_model_load")
-    load = steps("on_model_load", host.load_weights)[0]
+    load = steps.load("on_model_load", host.load_weights)[0]
     _say(f"      {_summary(load)}")
     loaded = steps("logits", host.logits, input_ids)[0]
     check = _compare(loaded, reference)
@@ -146,7 +146,7 @@ def _baseline_run(
     bench_layout = {"tp": layout.tp, "pp": layout.pp, "vpp": None, "ep": 1, "dtype": "float32"}
     steps("start Megatron + build model", strategies.build_model, checkpoint, bench_layout)
     steps("settle", strategies.settle)
-    per_rank = steps("load", strategies.load, BASELINE, checkpoint, {})
+    per_rank = steps.load("load", strategies.load, BASELINE, checkpoint, {})
     steps("finish", strategies.teardown)
     return {
         "implementation": strategies.IMPLEMENTATIONS[BASELINE],
@@ -156,18 +156,36 @@ def _baseline_run(
 
 
 class _Steps:
-    """Runs each step on every rank and records ``(run, name, start, end)`` on the sampler's clock."""
+    """Runs each step on every rank and records ``(run, name, start, end)`` on the sampler's clock.
 
-    def __init__(self, pool: Any, sampler: Any) -> None:
+    Around the loads it also reads the kernel's peak RSS of every rank (``VmHWM``,
+    reset before the step): no sampling gap can hide a peak from it.
+    """
+
+    def __init__(self, pool: Any, sampler: Any, pids: list[int]) -> None:
         self.pool = pool
         self.sampler = sampler
+        self.pids = pids
         self.run = ""
         self.records: list[tuple[str, str, float, float]] = []
+        self.rank_peaks_added: dict[str, int] = {}
+        """Per run: sum over the ranks of (peak RSS during its load - RSS before it)."""
 
     def __call__(self, name: str, fn: Callable[..., Any], *args: Any) -> list[Any]:
         start = time.monotonic()
         out = self.pool.run(fn, *args)
         self.records.append((self.run, name, start, time.monotonic()))
+        return out
+
+    def load(self, name: str, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        from megastart.bench.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
+
+        before = [rss_bytes(pid) for pid in self.pids]
+        for pid in self.pids:
+            reset_peak_rss(pid)
+        out = self(name, fn, *args)
+        peaks = [peak_rss_bytes(pid) for pid in self.pids]
+        self.rank_peaks_added[self.run] = sum(p - b for p, b in zip(peaks, before, strict=True))
         return out
 
     def memory_during(self, run: str, name: str) -> tuple[int, int]:
@@ -187,6 +205,7 @@ def _load_row(steps: _Steps, name: str, seconds: float, bytes_read: int) -> dict
         "node_peak_bytes": peak,
         "node_before_bytes": before,
         "added_bytes": peak - before,
+        "rank_peaks_added_bytes": steps.rank_peaks_added[run],
         "bytes_read": bytes_read,
     }
 
