@@ -102,11 +102,13 @@ def settle() -> None:
 
 def checksum() -> str:
     """SHA-256 over this rank's parameters (names, dtypes, shapes and bytes), in name order."""
+    import torch
+
     digest = hashlib.sha256()
     for i, chunk in enumerate(_STATE["chunks"]):
         for name, param in sorted(chunk.named_parameters()):
             digest.update(f"{i}:{name}:{param.dtype}:{tuple(param.shape)}".encode())
-            digest.update(param.detach().contiguous().view(-1).view(_uint8()).numpy().tobytes())
+            digest.update(param.detach().contiguous().view(-1).view(torch.uint8).numpy())
     return digest.hexdigest()
 
 
@@ -308,15 +310,10 @@ def _param(need: Need) -> torch.Tensor:
 
 
 def _with_tp_rank(shard: Shard, tp_rank: int) -> Shard:
+    """Another TP rank's shard; experts too, whose expert-TP group is the TP group (ETP = TP)."""
     from dataclasses import replace
 
-    return replace(shard, tp_rank=tp_rank)
-
-
-def _uint8() -> Any:
-    import torch
-
-    return torch.uint8
+    return replace(shard, tp_rank=tp_rank, expert_tp_rank=tp_rank)
 
 
 def _needs_by_chunk(chunks: list[Any]) -> list[tuple[list[Need], Shard]]:
