@@ -150,3 +150,28 @@ def test_blocked_loader_is_refused_because_the_demo_has_no_loader_of_its_own(
     )
     assert proc.returncode == 2
     assert "rank0_loader plugin is blocked" in proc.stderr
+
+
+def test_blocked_warmup_is_not_run_and_the_demo_says_so(
+    tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    proc = megastart_demo(
+        "--checkpoint", str(tiny_checkpoint), "--ranks", "2", "--tp", "2", "--pp", "1",
+        "--out", str(tmp_path), "--no-plot",
+        env={"MEGASTART_BLOCKLIST": "comm_warmup", "MEGASTART_RANK0_LOADER_BUCKET_MB": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    results = json.loads((tmp_path / "megastart-demo.json").read_text())
+    assert not (tmp_path / "megastart-demo.png").exists() and "png" not in results
+    ours = results["megastart"]
+    assert ours["warmup"] is None
+    assert all("comm_warmup" not in ran["plugins"] for ran in ours["hooks"].values())
+    assert "warmup: did not run (comm_warmup blocked" in proc.stdout
+    # The user's loader setting wins over the demo's default, and the JSON says where it came from.
+    assert results["set_by_demo"] == {}
+    assert results["settings"]["rank0_loader"]["bucket_mb"] == {
+        "value": 1.0,
+        "source": "env:MEGASTART_RANK0_LOADER_BUCKET_MB",
+    }
+    assert results["settings"]["blocklist"]["value"] == ["comm_warmup"]
+    assert ours["logits"]["match"] and ours["train_step"]["all_ranks_updated"]

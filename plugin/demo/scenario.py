@@ -24,6 +24,7 @@ from dataclasses import asdict
 from typing import Any
 
 from megastart.demo.checks import Layout
+from megastart.records import LoadReport
 
 LOGITS_TOKENS = 16
 """Length of the random prompt whose logits are compared with ``transformers``."""
@@ -73,7 +74,11 @@ def run_demo(
             for run, name, start, end in steps.records
         ],
         "memory": {
-            "what": "sum over the ranks of their PSS (/proc/<pid>/smaps_rollup)",
+            "what": (
+                "sum over the ranks of their PSS: RssAnon (/proc/<pid>/status) every sample, "
+                "Pss_File + Pss_Shmem (/proc/<pid>/smaps_rollup) every 10th "
+                "(megastart.bench.memory.PssSampler)"
+            ),
             "period_s": sample_s,
             "seconds": [t - t0 for t, _ in sampler.timeline],
             "bytes": [b for _, b in sampler.timeline],
@@ -95,7 +100,7 @@ def _megastart_run(
     steps("build model", host.build_model)
     _say("[1/4] loading the checkpoint through on_model_load")
     load = steps.load("on_model_load", host.load_weights)[0]
-    _say(f"      {_summary(load)}")
+    _say(f"      {LoadReport(**load).summary()}")
     loaded = steps("logits", host.logits, input_ids)[0]
     check = _compare(loaded, reference)
     _say(
@@ -247,26 +252,20 @@ def _checkpoint_bytes(checkpoint: str) -> int:
     )
 
 
-def _summary(load: dict[str, Any]) -> str:
-    return (
-        f"{load['plugin']}: {load['tensors']} tensors, {load['bytes_read'] / 1e6:.0f} MB read by "
-        f"rank(s) {list(load['reader_ranks'])}, {load['bytes_broadcast'] / 1e6:.0f} MB broadcast, "
-        f"{load['seconds']:.2f} s"
-    )
-
-
 def _hook_summary(ran: dict[str, Any], warmup: dict[str, Any] | None) -> str:
-    if not ran["plugins"]:
-        return "no plugin implements it here (comm_warmup blocked or megastart disabled)"
+    plugins = ", ".join(ran["plugins"]) or "no plugin"
     report = ran["warmup"]
-    if report is None:
-        already = f" it already ran at {warmup['hook']}" if warmup is not None else ""
-        return f"{', '.join(ran['plugins'])} ran; the warmup runs once per process:{already}"
-    return (
-        f"{', '.join(ran['plugins'])} warmed {len(report['groups'])} groups "
-        f"[{', '.join(report['groups'])}] with {len(report['operations'])} operations "
-        f"in {report['seconds']:.2f} s"
-    )
+    if report is not None:
+        return (
+            f"{plugins} ran; comm_warmup warmed {len(report['groups'])} groups "
+            f"[{', '.join(report['groups'])}] with {len(report['operations'])} operations "
+            f"in {report['seconds']:.2f} s"
+        )
+    if warmup is not None:
+        return f"{plugins} ran; nothing left to warm (once per process: done at {warmup['hook']})"
+    if "comm_warmup" not in ran["plugins"]:
+        return f"{plugins} ran (comm_warmup is blocked or megastart disabled)"
+    return f"{plugins} ran; comm_warmup's 'when' setting selects the other hook"
 
 
 def _say(text: str) -> None:
