@@ -23,6 +23,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -72,6 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from megastart.demo.checks import DemoError, Layout
+    from megastart.settings import SettingsError
 
     started = time.perf_counter()
     set_by_demo = {} if BUCKET_ENV in os.environ else {BUCKET_ENV: DEMO_BUCKET_MB}
@@ -79,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     layout = Layout(ranks=args.ranks, tp=args.tp, pp=args.pp)
     try:
         checkpoint = _checkpoint(args, layout)
-    except DemoError as e:
+    except (DemoError, SettingsError) as e:
         print(f"megastart demo: {e}", file=sys.stderr)
         return 2
     from megastart.demo.scenario import run_demo
@@ -90,9 +92,7 @@ def run(args: argparse.Namespace) -> int:
     except RankFailure as e:
         print(f"megastart demo: a step failed on the ranks.\n{e}", file=sys.stderr)
         return 1
-    results["command"] = (
-        "megastart demo " + " ".join(sys.argv[2:]) if sys.argv[2:] else "megastart demo"
-    )
+    results["command"] = "megastart " + " ".join(sys.argv[1:])
     results["total_seconds"] = time.perf_counter() - started
     results["settings"] = _settings()
     results["set_by_demo"] = set_by_demo
@@ -108,8 +108,19 @@ def run(args: argparse.Namespace) -> int:
     print(results["table"])
     print(f"\nwrote {json_path}" + (f" and {results['png']}" if "png" in results else ""))
     print(f"demo took {results['total_seconds']:.0f} s")
-    ok = results["megastart"]["logits"]["match"] and results["megastart"]["restored_logits_equal"]
-    return 0 if ok and results["megastart"]["train_step"]["all_ranks_updated"] else 1
+    ours = results["megastart"]
+    failed = [
+        what
+        for what, ok in (
+            ("the logits do not match transformers'", ours["logits"]["match"]),
+            ("the restored model differs from the loaded one", ours["restored_logits_equal"]),
+            ("a rank's training step did not update", ours["train_step"]["all_ranks_updated"]),
+        )
+        if not ok
+    ]
+    for what in failed:
+        print(f"megastart demo: FAILED: {what}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def render_table(results: dict[str, Any]) -> str:
@@ -194,7 +205,12 @@ def _checkpoint(args: argparse.Namespace, layout: Any) -> Path:
         )
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
         make_checkpoint(hf_config, tmp)
-        tmp.rename(path)  # atomic: a half-written checkpoint is never reused
+        try:
+            tmp.rename(path)  # atomic: a half-written checkpoint is never reused
+        except OSError:  # another demo made it first
+            if not (path / "config.json").is_file():
+                raise
+            shutil.rmtree(tmp)
         print(f"made it in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return path
 
