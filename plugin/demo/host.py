@@ -12,7 +12,6 @@ no warmup of its own.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -24,8 +23,8 @@ _STATE: dict[str, Any] = {}
 """This rank's checkpoint, HF config and model chunks, from :func:`start` until :func:`finish`."""
 
 
-def start(checkpoint: str, tp: int, pp: int) -> int:
-    """Initialise Megatron for TP x PP (the rest is data parallel); this rank's pid."""
+def start(checkpoint: str, tp: int, pp: int) -> None:
+    """Initialise Megatron for TP x PP (the rest is data parallel) and read the HF config."""
     import warnings
 
     # Megatron announces its fallbacks without Transformer Engine / Apex, and
@@ -38,7 +37,6 @@ def start(checkpoint: str, tp: int, pp: int) -> int:
 
     initialize_megatron(tp=tp, pp=pp)
     _STATE.update(checkpoint=checkpoint, hf_config=AutoConfig.from_pretrained(checkpoint))
-    return os.getpid()
 
 
 def build_model() -> None:
