@@ -103,6 +103,7 @@ class ArealAdapter(EngineAdapter):
 
     def _load_hf(self, wrapped, instance, args, kwargs):  # type: ignore[no-untyped-def]
         path = _argument(args, kwargs, 0, "path")
+        self._raise_if_failed("on_model_load")
         if not instance.initialized and _settings().skip_hf_load_on_recover:
             self._deferred[instance] = path
             log.info("megastart: deferring the HF load of %s (skip_hf_load_on_recover)", path)
@@ -115,6 +116,8 @@ class ArealAdapter(EngineAdapter):
     def _load(self, wrapped, instance, args, kwargs):  # type: ignore[no-untyped-def]
         meta = _argument(args, kwargs, 0, "meta")
         recover = is_recover_load(meta)
+        if recover:
+            self._raise_if_failed("post_recover_load")
         if recover and meta.with_optim and instance in self._deferred:
             path = self._deferred.pop(instance)
             log.info(
@@ -132,8 +135,11 @@ class ArealAdapter(EngineAdapter):
         return result
 
     def _step(self, wrapped, instance, args, kwargs):  # type: ignore[no-untyped-def]
+        first = not self._first_step_done
+        if first:
+            self._raise_if_failed("pre_first_step")
         self._resolve_deferred(instance)
-        if not self._first_step_done:
+        if first:
             context = self.context(instance, is_restart=instance in self._restarted)
             self._call_hook("pre_first_step", engine=context)
             self._first_step_done = True
@@ -170,6 +176,15 @@ class ArealAdapter(EngineAdapter):
     def _call_hook(self, name: str, **kwargs: Any) -> Any:
         from megastart.manager import call_hook
 
+        self._raise_if_failed(name)
+        try:
+            return call_hook(name, **kwargs)
+        except BaseException as error:
+            self._failure = (name, error)
+            raise
+
+    def _raise_if_failed(self, name: str) -> None:
+        """Refuse, before any host collective runs, to reach a hook after a failure."""
         if self._failure is not None:
             failed, error = self._failure
             raise HookFailedBefore(
@@ -179,11 +194,6 @@ class ArealAdapter(EngineAdapter):
                 "only would hang. Restart the job (and keep AReaL's retries of engine "
                 "calls at max_retries=1)."
             ) from error
-        try:
-            return call_hook(name, **kwargs)
-        except BaseException as error:
-            self._failure = (name, error)
-            raise
 
     def _resolve_deferred(self, engine: Any) -> None:
         """Run the HF load deferred by ``skip_hf_load_on_recover``, if still pending."""
