@@ -193,8 +193,14 @@ def _shadowed(obj: Any, name: str, wrapper: Callable[..., Any]) -> Iterator[None
 
 
 def _unwrap(owner: type, name: str, wrapper: Any) -> None:
-    """Put back the function ``wrapper`` replaced; refuse if someone replaced it since."""
-    if vars(owner).get(name) is not wrapper:
+    """Put back the function ``wrapper`` replaced; refuse if someone replaced it since.
+
+    Already restored is fine, so ``detach`` can be retried after such a refusal.
+    """
+    current = vars(owner).get(name)
+    if current is wrapper.__wrapped__:
+        return
+    if current is not wrapper:
         raise RuntimeError(
             f"megastart: cannot restore {owner.__qualname__}.{name}: it was replaced after "
             "megastart wrapped it; detach the later wrapper first"

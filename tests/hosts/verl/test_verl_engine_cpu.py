@@ -1,0 +1,78 @@
+"""verl's own ``MegatronEngine`` code, with the adapter attached through the real
+activation (``VERL_USE_EXTERNAL_MODULES=megastart.autoload``), on CPU over gloo at
+TP=2: ``on_model_load`` dispatches from inside verl's ``_build_megatron_module``, a
+``LoadReport`` skips verl's loader, ``None`` falls through to it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import verl_cpu
+from safetensors.torch import load_file
+
+from megastart.launch import RankPool
+
+PROBE_ONLY = {"MEGASTART_BLOCKLIST": "rank0_loader,comm_warmup"}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("qwen2")
+    verl_cpu.save_tiny_qwen2(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RankPool(
+        verl_cpu.TP, timeout_s=400, env={"VERL_USE_EXTERNAL_MODULES": "megastart.autoload"}
+    ) as pool:
+        yield pool
+
+
+def hf_shard(checkpoint: str, name: str, tp_rank: int) -> torch.Tensor:
+    """This TP rank's rows of an HF tensor, as bf16 parameters hold them."""
+    full = load_file(f"{checkpoint}/model.safetensors")[name].to(torch.bfloat16).float()
+    return full.chunk(verl_cpu.TP)[tp_rank]
+
+
+def test_a_load_report_skips_verls_own_loader(pool, checkpoint):
+    from megastart_verl_probe import FILL
+
+    ranks = pool.run(
+        verl_cpu.load_on_rank, checkpoint, MEGASTART_VERL_PROBE_MODE="handle", **PROBE_ONLY
+    )
+    for out in ranks:
+        assert out["attached"] == {"verl.workers.engine.megatron.transformer_impl": True}
+        (call,) = out["calls"]
+        assert call == {
+            "hook": "on_model_load",
+            "checkpoint": checkpoint,
+            "host": "verl",
+            "host_version": "0.9.1",
+            "chunk_types": ["GPTModel"],
+            "parallel_state": "megatron.core.parallel_state",
+            "tp": 2,
+            "device": "cpu",
+            "dtype": "torch.bfloat16",
+            "hf_model_type": "qwen2",
+            "is_restart": False,
+            "mode": "handle",
+            "value_model": False,
+            "engine_class": "MegatronEngineWithLMHead",
+        }
+        for name, value in out["params"].items():
+            assert torch.all(value == FILL), name  # mbridge's loader never ran
+
+
+def test_none_falls_through_to_verls_own_loader(pool, checkpoint):
+    ranks = pool.run(
+        verl_cpu.load_on_rank, checkpoint, MEGASTART_VERL_PROBE_MODE="pass", **PROBE_ONLY
+    )
+    for out in ranks:
+        assert [call["hook"] for call in out["calls"]] == ["on_model_load"]
+        params, tp_rank = out["params"], out["tp_rank"]
+        embedding = hf_shard(checkpoint, "model.embed_tokens.weight", tp_rank)
+        lm_head = hf_shard(checkpoint, "lm_head.weight", tp_rank)
+        assert torch.equal(params["embedding.word_embeddings.weight"], embedding)
+        assert torch.equal(params["output_layer.weight"], lm_head)

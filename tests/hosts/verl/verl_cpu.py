@@ -1,0 +1,184 @@
+"""verl's real ``MegatronEngine`` on CPU over gloo, built the way verl's workers build it.
+
+Runs inside a rank of :class:`megastart.launch.RankPool`, after
+:func:`megastart.demo.cpu.initialize_megatron` (verl's engine then finds Megatron's
+parallel state initialised and uses it). Two test-only shims on top of the
+demo's CPU shims, both because Transformer Engine has no CPU build:
+
+- mbridge builds its models with Transformer Engine's layer spec
+  (``LLMBridge._get_transformer_layer_spec``); here it gets Megatron-core's
+  local spec, so the model is a real ``GPTModel`` built by mbridge and wrapped
+  by Megatron's DDP exactly as on a GPU;
+- mbridge's Qwen2 name table knows only Transformer Engine's fused layer-norm
+  names; here it also maps the local spec's two layer norms, so mbridge's own
+  HF loader (verl's loader when no plugin handles the load) runs to the end;
+- verl has no CPU platform (it falls back to CUDA's), and its memory logging asks
+  ``torch.cuda.mem_get_info``; here that reports nothing free of nothing.
+
+The ``*_on_rank`` functions are what the tests run on every rank.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+TP = 2
+"""Tensor-parallel size of the test engine (the pool's world size)."""
+
+
+def save_tiny_qwen2(path: Path) -> None:
+    """A random two-layer Qwen2 checkpoint (safetensors), as ``save_pretrained`` writes it."""
+    import torch
+    import transformers
+
+    config = transformers.Qwen2Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    transformers.Qwen2ForCausalLM(config).save_pretrained(path)
+
+
+def use_local_spec_in_mbridge() -> None:
+    from mbridge.core.llm_bridge import LLMBridge
+    from mbridge.models.qwen2 import Qwen2Bridge
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    def local_spec(self: Any, vp_stage: int | None = None) -> Any:
+        return get_gpt_decoder_block_spec(
+            self.config, use_transformer_engine=False, vp_stage=vp_stage
+        )
+
+    LLMBridge._get_transformer_layer_spec = local_spec
+    layer = "model.layers.{layer_number}"
+    Qwen2Bridge._OTHER_MAPPING = {"input_layernorm.weight": [f"{layer}.input_layernorm.weight"]}
+    Qwen2Bridge._MLP_MAPPING = {
+        **Qwen2Bridge._MLP_MAPPING,
+        "pre_mlp_layernorm.weight": [f"{layer}.post_attention_layernorm.weight"],
+    }
+
+
+def build_engine(checkpoint: str, *, forward_only: bool) -> Any:
+    """verl's LM-head Megatron engine for ``checkpoint`` (mbridge, bf16), not yet initialised."""
+    import torch
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+
+    use_local_spec_in_mbridge()
+    torch.cuda.mem_get_info = lambda device=None: (0, 0)
+    return MegatronEngineWithLMHead(
+        HFModelConfig(path=checkpoint, load_tokenizer=False),
+        McoreEngineConfig(
+            tensor_model_parallel_size=TP,
+            vanilla_mbridge=True,
+            dtype="bfloat16",
+            forward_only=forward_only,
+            use_distributed_optimizer=False,
+            # Megatron's torch norms (no Transformer Engine) refuse sequence parallelism.
+            override_transformer_config={
+                "use_cpu_initialization": True,
+                "sequence_parallel": False,
+            },
+        ),
+        McoreOptimizerConfig(lr=1e-4),
+        CheckpointConfig(),
+    )
+
+
+def give_checkpoint_manager(engine: Any) -> None:
+    """The checkpoint manager ``MegatronEngine.initialize`` builds after the optimizer,
+    for a forward-only engine (model weights only).
+
+    A trainable engine cannot be initialised on CPU (Megatron's mixed-precision
+    optimizer allocates on ``cuda``), so ``initialize`` never gets this far; the
+    arguments are the ones it passes, minus the optimizer.
+    """
+    from omegaconf import OmegaConf
+    from verl.trainer.config import CheckpointConfig
+    from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
+
+    engine.checkpoint_mananager = MegatronCheckpointManager(  # sic: verl's spelling
+        config=OmegaConf.create(
+            {"model": {"path": engine.model_config.local_path}, "megatron": {}}
+        ),
+        checkpoint_config=CheckpointConfig(save_contents=["model"], load_contents=["model"]),
+        model_config=engine.model_config.hf_config,
+        transformer_config=engine.tf_config,
+        role="actor",
+        model=engine.module,
+        arch=engine.model_config.architectures[0],
+        hf_config=engine.model_config.hf_config,
+        param_dtype=engine.param_dtype,
+        share_embeddings_and_output_weights=engine.share_embeddings_and_output_weights,
+        processing_class=None,
+        optimizer=None,
+        optimizer_scheduler=None,
+        use_distributed_optimizer=False,
+        bridge=engine.bridge,
+        provider=engine.provider,
+        peft_cls=engine.peft_cls,
+    )
+
+
+# -- run on every rank ------------------------------------------------------------
+
+
+def configure_megastart(**env: str) -> None:
+    """This process's megastart settings come from ``env`` (MEGASTART_* names) from now on."""
+    import os
+
+    from megastart.manager import reset
+
+    for name in [n for n in os.environ if n.startswith("MEGASTART_")]:
+        del os.environ[name]
+    os.environ.update(env)
+    reset()
+
+
+def initialized_engine(checkpoint: str, **env: str) -> Any:
+    """A forward-only engine through verl's own ``initialize`` (the HF load included)."""
+    import megastart_verl_probe
+
+    from megastart.demo.cpu import initialize_megatron
+
+    configure_megastart(**env)
+    megastart_verl_probe.CALLS.clear()
+    initialize_megatron(tp=TP)
+    engine = build_engine(checkpoint, forward_only=True)
+    engine.initialize()
+    return engine
+
+
+def parameters(engine: Any) -> dict[str, Any]:
+    from verl.utils.megatron_utils import unwrap_model
+
+    (chunk,) = unwrap_model(engine.module)
+    return {name: param.detach().float().clone() for name, param in chunk.named_parameters()}
+
+
+def load_on_rank(checkpoint: str, **env: str) -> dict[str, Any]:
+    """Build and initialise the engine; what the hooks saw and what the weights hold."""
+    import megastart_verl_probe
+    from megatron.core import parallel_state
+
+    from megastart.demo.cpu import destroy_megatron
+    from megastart.engines import adapters
+
+    try:
+        engine = initialized_engine(checkpoint, **env)
+        return {
+            "attached": {name: a.attached for name, a in adapters().items()},
+            "calls": list(megastart_verl_probe.CALLS),
+            "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+            "params": parameters(engine),
+        }
+    finally:
+        destroy_megatron()
