@@ -166,7 +166,9 @@ class ExpertTensorParallel:
         self.inner = inner
 
     def check(self, hf: Sequence[Named], local: Shape, shard: Shard) -> list[str]:
-        return self.inner.check(hf, local, _expert_shard(shard))
+        expert = _expert_shard(shard)
+        where = f"expert-tensor-parallel rank {expert.tp_rank} of {expert.tp_size}"
+        return [f"{problem} ({where})" for problem in self.inner.check(hf, local, expert)]
 
     def pieces(self, inputs: Sequence[torch.Tensor], local: Shape, shard: Shard) -> Iterator[Piece]:
         return self.inner.pieces(inputs, local, _expert_shard(shard))
