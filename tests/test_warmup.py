@@ -180,6 +180,22 @@ LAYOUTS: dict[str, dict[str, Any]] = {
             for r in range(2)
         },
     },
+    # world 6, odd pipeline, interleaved: pp (0,2,4) (1,3,5); the wrap link 4 -> 0
+    # shares stage 0 with link 0 -> 2, so it runs in a phase of its own
+    "tp2_pp3_vpp2": {
+        "world": 6,
+        "parallel": {"tp": 2, "pp": 3, "vpp": 2},
+        "config": {"batch_p2p_comm": False},
+        "expected": {
+            r: on("tp", both("all_reduce"))
+            | on("pp", both("all_reduce", *MIDDLE))
+            | (on("embedding", both("all_reduce")) if r // 2 in (0, 2) else set())
+            | on("dp_cp", ONE_RANK_GRADS)
+            | on("mp", small("all_reduce"))
+            | on("dist_opt", small("all_reduce"))
+            for r in range(6)
+        },
+    },
     # world 6: tp (0,1,2) (3,4,5) with sizes that must divide by 3; pp (0,3) (1,4)
     # (2,5), three pairs over WORLD at once
     "tp3_pp2": {
