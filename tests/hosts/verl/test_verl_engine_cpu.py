@@ -76,3 +76,39 @@ def test_none_falls_through_to_verls_own_loader(pool, checkpoint):
         lm_head = hf_shard(checkpoint, "lm_head.weight", tp_rank)
         assert torch.equal(params["embedding.word_embeddings.weight"], embedding)
         assert torch.equal(params["output_layer.weight"], lm_head)
+
+
+def test_megastarts_rank0_loader_loads_what_verls_loader_loads(pool, checkpoint):
+    ranks = pool.run(verl_cpu.loaders_on_rank, checkpoint)
+    (summary,) = [
+        line
+        for line in ranks[0]["log"]
+        if line.startswith("megastart: on_model_load rank0_loader:")
+    ]
+    assert "read by rank(s) [0]" in summary
+    for out in ranks:
+        ours, verls = out["params"]["rank0_loader"], out["params"]["verl"]
+        assert ours.keys() == verls.keys()
+        for name in ours:
+            assert torch.equal(ours[name], verls[name]), name
+
+
+def test_pre_first_step_runs_once_before_verls_first_step(pool, checkpoint):
+    ranks = pool.run(verl_cpu.first_steps_on_rank, checkpoint, **PROBE_ONLY)
+    for out in ranks:
+        assert [call["hook"] for call in out["calls"]] == ["on_model_load", "pre_first_step"]
+        assert out["calls"][1]["is_restart"] is False
+        # How far verl's step gets on CPU: through verl's forward_backward_batch
+        # (batch split, token all-reduce) into Megatron's schedule, which
+        # allocates on "cuda". Both calls get there; the hook ran only before the first.
+        assert len(out["stops"]) == 2
+        for stop in out["stops"]:
+            assert stop["verl_step_ran"]
+            assert stop["innermost"][0].endswith("torch/cuda/__init__.py")
+            assert stop["torch_called_from"] == (
+                stop["torch_called_from"][0],
+                "forward_backward_no_pipelining",
+            )
+            assert stop["torch_called_from"][0].endswith(
+                "megatron/core/pipeline_parallel/schedules.py"
+            )

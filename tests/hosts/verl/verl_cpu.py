@@ -182,3 +182,96 @@ def load_on_rank(checkpoint: str, **env: str) -> dict[str, Any]:
         }
     finally:
         destroy_megatron()
+
+
+def tiny_batch() -> Any:
+    """Two sequences in verl's engine input format (no padding, nested tensors)."""
+    import torch
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    generator = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, 256, (n,), generator=generator) for n in (5, 7)]
+    data = TensorDict(
+        {
+            "input_ids": torch.nested.as_nested_tensor(ids, layout=torch.jagged),
+            "loss_mask": torch.nested.as_nested_tensor(
+                [torch.ones_like(t) for t in ids], layout=torch.jagged
+            ),
+            "temperature": torch.tensor([1.0, 1.0]),
+        },
+        batch_size=2,
+    )
+    tu.assign_non_tensor(
+        data,
+        use_remove_padding=False,
+        use_dynamic_bsz=False,
+        micro_batch_size_per_gpu=1,
+        use_fused_kernels=False,
+    )
+    return data
+
+
+def first_steps_on_rank(checkpoint: str, **env: str) -> dict[str, Any]:
+    """Two ``infer_batch`` calls (verl's first ``compute_log_prob``): the hooks seen, and
+    where verl's step stopped on CPU (file and function of the frames that failed)."""
+    import traceback
+
+    import megastart_verl_probe
+
+    from megastart.demo.cpu import destroy_megatron
+
+    stops = []
+    try:
+        engine = initialized_engine(checkpoint, **env)
+        for _ in range(2):
+            try:
+                with engine.eval_mode(disable_auto_offload=True):
+                    engine.infer_batch(tiny_batch())
+            except AssertionError as e:  # "Torch not compiled with CUDA enabled"
+                frames = traceback.extract_tb(e.__traceback__)
+                caller = [f for f in frames if "/torch/" not in f.filename][-1]
+                stops.append(
+                    {
+                        "error": str(e),
+                        "innermost": (frames[-1].filename, frames[-1].name),
+                        "torch_called_from": (caller.filename, caller.name),
+                        "verl_step_ran": any(
+                            f.name == "forward_backward_batch" and "verl/" in f.filename
+                            for f in frames
+                        ),
+                    }
+                )
+        return {"calls": list(megastart_verl_probe.CALLS), "stops": stops}
+    finally:
+        destroy_megatron()
+
+
+def loaders_on_rank(checkpoint: str) -> dict[str, Any]:
+    """The weights megastart's rank0_loader writes and those verl's own loader writes,
+    and the rank-0 summary lines of the hook calls."""
+    import logging
+
+    from megastart.demo.cpu import destroy_megatron
+
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("megastart")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    loaded = {}
+    try:
+        for loader, blocklist in {
+            "rank0_loader": "comm_warmup,verl_probe",
+            "verl": "rank0_loader,comm_warmup,verl_probe",
+        }.items():
+            try:
+                loaded[loader] = parameters(
+                    initialized_engine(checkpoint, MEGASTART_BLOCKLIST=blocklist)
+                )
+            finally:
+                destroy_megatron()
+    finally:
+        logger.removeHandler(handler)
+    return {"params": loaded, "log": lines}
