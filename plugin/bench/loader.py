@@ -78,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--repeats",
         type=int,
         default=1,
-        help="loads per strategy; the fastest wall time and the highest memory are reported",
+        help="timed loads per strategy, after the one that measures memory; the fastest is reported",
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the results to FILE")
     parser.add_argument(
@@ -263,9 +263,10 @@ def _measure_strategy(
 ) -> StrategyResult:
     """One strategy in a fresh world, so no strategy inherits another's heap or state.
 
-    Loads ``repeats`` times into the same model: the wall time is the fastest run
-    (the one other processes on the machine disturbed least), the memory figures
-    the highest.
+    The first load measures memory, with the sampler reading every rank's full
+    PSS as often as it can; then ``repeats`` loads into the same model measure
+    time, with no sampler competing for the CPU, and the fastest is reported
+    (the one other processes on the machine disturbed least).
     """
     from megastart.bench import strategies
     from megastart.launch import RankPool
@@ -273,30 +274,27 @@ def _measure_strategy(
     with RankPool(layout.ranks, timeout_s=timeout_s) as pool:
         pids = pool.run(os.getpid)
         pool.run(strategies.build_model, str(checkpoint), asdict(layout))
-        runs = [
-            _measure_load(pool, pids, name, str(checkpoint), options, sample_s)
-            for _ in range(repeats)
-        ]
+        memory = _measure_memory(pool, pids, name, str(checkpoint), options, sample_s)
+        walls = []
+        for _ in range(repeats):
+            pool.run(strategies.settle)
+            per_rank = pool.run(strategies.load, name, str(checkpoint), options)
+            walls.append(max(r["wall_s"] for r in per_rank))
         checksums = pool.run(strategies.checksum)
         pool.run(strategies.teardown)
     return StrategyResult(
         implementation=strategies.IMPLEMENTATIONS[name],
-        wall_s=min(r["wall_s"] for r in runs),
-        wall_s_runs=[r["wall_s"] for r in runs],
-        node_peak_bytes=max(r["peak"] for r in runs),
-        transient_bytes=max(max(r["peak"] - r["steady"], 0) for r in runs),
-        steady_bytes=max(r["steady"] for r in runs),
-        rank_peaks_transient_bytes=max(max(r["rank_transient"], 0) for r in runs),
-        bytes_read=runs[0]["bytes_read"],
+        wall_s=min(walls),
+        wall_s_runs=walls,
         checksums=checksums,
-        sampler=runs[0]["sampler"],
+        **memory,
     )
 
 
-def _measure_load(
+def _measure_memory(
     pool: Any, pids: list[int], name: str, checkpoint: str, options: dict[str, Any], sample_s: float
 ) -> dict[str, Any]:
-    """One load, with the node's PSS sampled throughout and the ranks' peak RSS."""
+    """One load with the node's PSS sampled throughout and the ranks' kernel peak RSS."""
     from megastart.bench import strategies
     from megastart.bench.memory import (
         PssSampler,
@@ -309,18 +307,18 @@ def _measure_load(
     pool.run(strategies.settle)
     for pid in pids:
         reset_peak_rss(pid)
-    with PssSampler(pids, period_s=sample_s) as sampler:
+    with PssSampler(pids, period_s=sample_s, file_every=1) as sampler:
         per_rank = pool.run(strategies.load, name, checkpoint, options)
     rank_peaks = [peak_rss_bytes(pid) for pid in pids]
     pool.run(strategies.settle)
+    steady = node_pss_bytes(pids)
+    rank_transient = sum(peak - rss_bytes(pid) for peak, pid in zip(rank_peaks, pids, strict=True))
     return {
-        "wall_s": max(r["wall_s"] for r in per_rank),
+        "node_peak_bytes": sampler.peak_bytes,
+        "transient_bytes": max(sampler.peak_bytes - steady, 0),
+        "steady_bytes": steady,
+        "rank_peaks_transient_bytes": max(rank_transient, 0),
         "bytes_read": sum(r["bytes_read"] for r in per_rank),
-        "peak": sampler.peak_bytes,
-        "steady": node_pss_bytes(pids),
-        "rank_transient": sum(
-            peak - rss_bytes(pid) for peak, pid in zip(rank_peaks, pids, strict=True)
-        ),
         "sampler": {
             "samples": sampler.samples,
             "mean_period_ms": sampler.mean_period_s * 1e3,
@@ -402,13 +400,13 @@ def render(results: dict[str, Any]) -> str:
         "",
         "how it was measured:",
         "  wall s       each rank times its load between a barrier before and one after; the slowest"
-        " rank's time (the fastest of --repeats loads, all in the JSON's wall_s_runs);",
-        "  node peak    the highest sum over the ranks of PSS: private anonymous memory (RssAnon,"
-        " /proc/<pid>/status) read every "
+        " rank's time; the fastest of --repeats loads (all in the JSON's wall_s_runs), which run"
+        " after the load that measures memory, with no sampler running;",
+        "  node peak    the highest sum over the ranks of PSS (/proc/<pid>/smaps_rollup), sampled by"
+        " a thread of the benchmark every "
         f"{min(s['mean_period_ms'] for s in samplers):.0f}-{max(s['mean_period_ms'] for s in samplers):.0f} ms"
-        " plus the share of file-backed and shared pages (Pss_File + Pss_Shmem, /proc/<pid>/smaps_rollup,"
-        " which costs ms per read) read every 10th sample, by a thread of the benchmark that used"
-        f" {max(s['cpu_share'] for s in samplers):.0%} of a core at most;",
+        " (the kernel walks the page tables for each read; the thread used"
+        f" {max(s['cpu_share'] for s in samplers):.0%} of a core at most), during one load;",
         "  transient    node peak minus the node's PSS after the load, once every rank ran"
         " gc.collect() and malloc_trim(0);",
         "  rank peaks   sum over the ranks of the kernel's peak RSS during the load (VmHWM, reset"
