@@ -153,7 +153,7 @@ def summarize(
 
     keys = ("warmup_s", "first_step_s", "warmup_nccl_bytes", "first_step_nccl_bytes",
             "second_step_nccl_bytes", "persistent_nccl_bytes")  # fmt: skip
-    variants = {
+    variants: dict[str, dict[str, Any]] = {
         name: {"ranks": ranks, "max": {key: max(r[key] for r in ranks) for key in keys}}
         for name, ranks in results.items()
     }

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from importlib import import_module
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -70,7 +71,7 @@ def warmup_communicators(
         raise _failure
     settings = settings if settings is not None else _settings()
     if parallel_state is None:
-        from megatron.core import parallel_state
+        parallel_state = import_module("megatron.core.parallel_state")
     try:
         _report = _warmup(settings, model_config, ddp_config, parallel_state, trigger)
     except BaseException as e:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     import torch
@@ -100,7 +100,7 @@ def _megatron_group(warm: WarmGroup, sender: int) -> tuple[str, dist.ProcessGrou
     import torch.distributed as dist
 
     if len(warm.ranks) == 2 and sender % 2 == 1 and dist.get_backend(warm.group) != "ucc":
-        return "world", dist.group.WORLD
+        return "world", cast("dist.ProcessGroup", dist.group.WORLD)
     return warm.name, warm.group
 
 
@@ -126,13 +126,15 @@ def _unbatched(
     if me == src_rank:
 
         def send() -> list[dist.Work]:
-            return [dist.isend(buffer(nbytes, 1, device), dst=dst_rank, group=group)]
+            work = dist.isend(buffer(nbytes, 1, device), dst=dst_rank, group=group)
+            return [cast("dist.Work", work)]  # None only for a rank outside the group
 
         return [Step(name, f"send_{'next' if forward else 'prev'}:{nbytes}", pair, send)]
     if me == dst_rank:
 
         def recv() -> list[dist.Work]:
-            return [dist.irecv(buffer(nbytes, 1, device), src=src_rank, group=group)]
+            work = dist.irecv(buffer(nbytes, 1, device), src=src_rank, group=group)
+            return [cast("dist.Work", work)]
 
         return [Step(name, f"recv_{'prev' if forward else 'next'}:{nbytes}", pair, recv)]
     return []
