@@ -112,3 +112,15 @@ def test_pre_first_step_runs_once_before_verls_first_step(pool, checkpoint):
             assert stop["torch_called_from"][0].endswith(
                 "megatron/core/pipeline_parallel/schedules.py"
             )
+
+
+def test_post_recover_load_runs_after_verls_resume_load(pool, checkpoint, tmp_path):
+    recover_dir = str(tmp_path / "global_step_1" / "actor")
+    ranks = pool.run(verl_cpu.recover_on_rank, checkpoint, recover_dir, **PROBE_ONLY)
+    for out in ranks:
+        assert [call["hook"] for call in out["calls"]] == ["on_model_load", "post_recover_load"]
+        recover = out["calls"][1]
+        assert recover["checkpoint"] == recover_dir
+        assert recover["is_restart"] is True
+        # the hook saw the restored weights, not the overwritten ones (3.0 everywhere)
+        assert recover["first_param_sum"] == out["saved_sum"]

@@ -275,3 +275,25 @@ def loaders_on_rank(checkpoint: str) -> dict[str, Any]:
     finally:
         logger.removeHandler(handler)
     return {"params": loaded, "log": lines}
+
+
+def recover_on_rank(checkpoint: str, recover_dir: str, **env: str) -> dict[str, Any]:
+    """Save a recover checkpoint through verl, overwrite the weights, resume through
+    verl's ``load_checkpoint``: the hooks seen, and the first weight's sum as saved."""
+    import megastart_verl_probe
+    from verl.utils.megatron_utils import unwrap_model
+
+    from megastart.demo.cpu import destroy_megatron
+
+    try:
+        engine = initialized_engine(checkpoint, **env)
+        give_checkpoint_manager(engine)
+        engine.save_checkpoint(recover_dir, global_step=1)
+        (chunk,) = unwrap_model(engine.module)
+        saved_sum = float(next(chunk.parameters()).float().sum())
+        for param in chunk.parameters():
+            param.data.fill_(3.0)
+        engine.load_checkpoint(recover_dir)
+        return {"calls": list(megastart_verl_probe.CALLS), "saved_sum": saved_sum}
+    finally:
+        destroy_megatron()
