@@ -34,9 +34,11 @@ def start(checkpoint: str, tp: int, pp: int) -> None:
     from transformers import AutoConfig
 
     from megastart.demo.cpu import initialize_megatron
+    from megastart.manager import get_settings
 
     initialize_megatron(tp=tp, pp=pp)
     _STATE.update(checkpoint=checkpoint, hf_config=AutoConfig.from_pretrained(checkpoint))
+    get_settings()  # load megastart's plugins now, as a host does when it attaches
 
 
 def build_model() -> None:
