@@ -36,6 +36,7 @@ HF weights, and are left alone.
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
@@ -46,6 +47,8 @@ import wrapt
 from megastart.engines.base import EngineAdapter
 from megastart.manager import call_hook, get_settings
 from megastart.records import EngineContext
+
+log = logging.getLogger("megastart")
 
 BRIDGE_LOADERS = {True: "load_weights", False: "load_hf_weights"}
 """``engine.vanilla_bridge`` -> the bridge method ``_build_megatron_module`` loads HF weights with."""
@@ -78,12 +81,17 @@ class VerlAdapter(EngineAdapter):
         self._step = wrapt.wrap_function_wrapper(
             engine, "forward_backward_batch", self._before_first_step
         )
+        # `import verl` sets the root logger to WARNING; the rank-0 summary lines
+        # of megastart's hooks are INFO. A level the user set is kept.
+        self._log_level = log.level
+        log.setLevel(log.level or logging.INFO)
 
     def _detach(self, module: ModuleType) -> None:
         engine = module.MegatronEngine
         _unwrap(engine, "_build_megatron_module", self._build)
         _unwrap(engine, "load_checkpoint", self._load)
         _unwrap(engine, "forward_backward_batch", self._step)
+        log.setLevel(self._log_level)
 
     # -- wrappers ------------------------------------------------------------
 

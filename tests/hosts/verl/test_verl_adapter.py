@@ -30,9 +30,11 @@ def test_attach_wraps_the_engine_methods_and_detach_restores_the_originals():
         # the concrete engines verl registers inherit the wrapped methods
         lm_head = getattr(transformer_impl.MegatronEngineWithLMHead, name)
         assert lm_head.__wrapped__ is originals[name].__get__(None, transformer_impl.MegatronEngine)
+    assert logging.getLogger("megastart").getEffectiveLevel() == logging.INFO
     adapter.detach()
     adapter.detach()  # idempotent
     assert methods() == originals
+    assert logging.getLogger("megastart").level == logging.NOTSET
     assert all(methods()[name] is originals[name] for name in WRAPPED)
 
 
