@@ -170,7 +170,10 @@ class ArealAdapter(EngineAdapter):
             hf_config=getattr(engine, "hf_config", None),
             is_restart=is_restart,
             settings=get_settings(),
-            extra={"areal_engine": engine},
+            extra={
+                "areal_engine": engine,
+                "ddp_config": getattr(engine.model[0], "ddp_config", None),
+            },
         )
 
     def _call_hook(self, name: str, **kwargs: Any) -> Any:

@@ -12,12 +12,10 @@ does what ``initialize`` does with CPU parts: AReaL's own ``create_process_group
 from __future__ import annotations
 
 import os
-import threading
-import time
 from types import SimpleNamespace
 from typing import Any
 
-from areal_cpu import import_megatron_engine
+from areal_cpu import import_megatron_engine, python_path
 
 import megastart.autoload  # noqa: F401  (what megastart.areal_worker does first)
 
@@ -210,59 +208,82 @@ def first_forward(engine: Any) -> str:
     try:
         engine.forward_batch(batch)
     except Exception as error:  # reported by the test: how far AReaL's code runs on CPU
-        return f"{type(error).__name__}: {error}"
+        import traceback
+
+        frames = [f for f in traceback.extract_tb(error.__traceback__) if "/areal/" in f.filename]
+        where = (
+            f" at {frames[-1].filename.split('site-packages/')[-1]}:{frames[-1].lineno} ({frames[-1].name})"
+            if frames
+            else ""
+        )
+        return f"{type(error).__name__}: {error}{where}"
     return "completed"
+
+
+ROLLOUT_MEMBER = """
+import json, sys
+from datetime import timedelta
+import torch
+from areal.engine.core.distributed import init_custom_process_group
+init_method, world_size = sys.argv[1], int(sys.argv[2])
+group = init_custom_process_group(backend="gloo", world_size=world_size, init_method=init_method,
+                                  rank=1, group_name="update_weight_group_0",
+                                  timeout=timedelta(seconds=120))
+tensor = torch.zeros(4)
+torch.distributed.broadcast(tensor, 0, group=group)
+print(json.dumps(tensor.tolist()))
+"""
+"""The rollout side of the weight-update group (SGLang workers in production): it
+joins, then takes the first broadcast on the group to be the weight push."""
 
 
 def weight_update_group_on_head(gen_world_size: int = 1) -> Any:
     """A weight-update group made the way ``_init_weight_update_from_distributed`` does.
 
-    Rank 0 (the pipeline head) calls AReaL's ``init_custom_process_group`` as
-    rank 0 of ``gen_world_size + 1`` ranks under ``update_weight_group_0``; the
-    rollout side (SGLang workers in production) is a thread here that joins
-    and then waits for the first weight broadcast, as SGLang does.
+    The pipeline head calls AReaL's ``init_custom_process_group`` as rank 0 of
+    ``gen_world_size + 1`` ranks under ``update_weight_group_0``; the rollout
+    member is a separate process (:data:`ROLLOUT_MEMBER`).
     """
-    import torch
+    import subprocess
+    import sys
+    from datetime import timedelta
+
     from areal.engine.core.distributed import init_custom_process_group
     from areal.utils.network import find_free_ports
 
-    port = find_free_ports(1)[0]
-    init_method = f"tcp://127.0.0.1:{port}"
-    received: dict[str, Any] = {}
-
-    def rollout_worker() -> None:
+    init_method = f"tcp://127.0.0.1:{find_free_ports(1)[0]}"
+    member = subprocess.Popen(
+        [sys.executable, "-c", ROLLOUT_MEMBER, init_method, str(gen_world_size + 1)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONPATH": python_path()},
+    )
+    try:
         group = init_custom_process_group(
             backend="gloo",
             world_size=gen_world_size + 1,
             init_method=init_method,
-            rank=1,
+            rank=0,
             group_name="update_weight_group_0",
-            timeout=__import__("datetime").timedelta(seconds=60),
+            timeout=timedelta(seconds=120),
         )
-        tensor = torch.zeros(4)
-        torch.distributed.broadcast(tensor, 0, group=group)
-        received["first_broadcast"] = tensor.tolist()
-
-    thread = threading.Thread(target=rollout_worker, daemon=True)
-    thread.start()
-    group = init_custom_process_group(
-        backend="gloo",
-        world_size=gen_world_size + 1,
-        init_method=init_method,
-        rank=0,
-        group_name="update_weight_group_0",
-        timeout=__import__("datetime").timedelta(seconds=60),
-    )
-    return SimpleNamespace(group=group, thread=thread, received=received)
+    except BaseException:
+        member.kill()
+        raise
+    return SimpleNamespace(group=group, member=member)
 
 
 def push_weights(update: Any) -> list[float]:
-    """The first weight broadcast on the update group, as ``update_weights`` would issue it."""
+    """The first weight broadcast on the update group, as ``update_weights`` issues it;
+    what the rollout member received."""
+    import json
+
     import torch
 
-    tensor = torch.arange(4, dtype=torch.float32)
-    torch.distributed.broadcast(tensor, 0, group=update.group)
-    deadline = time.monotonic() + 30
-    while "first_broadcast" not in update.received and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return update.received.get("first_broadcast", [])
+    try:
+        torch.distributed.broadcast(torch.arange(4, dtype=torch.float32), 0, group=update.group)
+        out, _ = update.member.communicate(timeout=60)
+    finally:
+        update.member.kill()
+    return json.loads(out.strip().splitlines()[-1])
