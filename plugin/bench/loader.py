@@ -108,9 +108,11 @@ class Layout:
             raise ValueError(
                 f"--ranks {self.ranks} is not a multiple of --tp {self.tp} x --pp {self.pp}"
             )
-        if (self.ranks // self.pp) % self.ep:
+        if (self.ranks // self.pp) % (self.ep * self.tp):
             raise ValueError(
-                f"--ep {self.ep} must divide the ranks of one pipeline stage ({self.ranks // self.pp})"
+                f"--ep {self.ep} x --tp {self.tp} (experts are also split over TP) must divide the "
+                f"ranks of one pipeline stage ({self.ranks // self.pp}): use --pp 1 or "
+                f"--ranks {self.pp * self.ep * self.tp}"
             )
 
     @property
