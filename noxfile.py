@@ -55,3 +55,40 @@ def verl(session: nox.Session) -> None:
     session.install(VERL, MEGATRON, "uvicorn", "fastapi", "mbridge", "einops")
     session.install(".[test,hydra]", "tests/fixtures/verl_probe")
     session.run("pytest", *(session.posargs or ["tests/hosts/verl", "-x", "-q"]))
+
+
+AREAL = "areal==1.0.4"
+AREAL_NEEDS = (
+    # what AReaL 1.0.4's trainer, engine and config modules import (its own
+    # requirements pin a CUDA torch<2.11, so it is installed with --no-deps)
+    *("aiohttp", "httpx", "colorlog", "tenacity", "flask", "torchdata", "lark", "uvloop"),
+    *("pyyaml", "hydra-core", "transformers==5.3.0", "ray", "numba", "pillow", "orjson"),
+    *("einops", "aiofiles", "openai", "peft<=0.18.1", "mbridge", "datasets", "pybase64"),
+    *("swanlab", "wandb", "tensorboardX", "tabulate", "trackio", "triton", "numpy<2.5"),
+    # megatron-bridge imports nvidia-modelopt, which imports these
+    *("ninja", "nvidia-ml-py", "pulp", "scipy"),
+)
+
+
+@nox.session(python=PYTHON)
+def areal(session: nox.Session) -> None:
+    """The AReaL adapter against the real AReaL 1.0.4 (CPU, gloo).
+
+    megatron-core 0.17 and megatron-bridge 0.4 declare Python >= 3.12 and install
+    on 3.11 without their CUDA requirements; Transformer Engine has no CPU build,
+    so the tests put a stub on ``sys.path`` (tests/hosts/areal/stubs). megastart
+    goes in as a wheel so that Hydra 1.3 finds its SearchPathPlugin.
+    """
+    session.install(TORCH)
+    session.install("--no-deps", AREAL)
+    session.install(TORCH, *AREAL_NEEDS)
+    session.install(
+        "--ignore-requires-python",
+        "--no-deps",
+        "megatron-core==0.17.0",
+        "megatron-bridge==0.4.0",
+        "nvidia-modelopt",
+    )
+    session.install(TORCH, "transformers==5.3.0", "numpy<2.5", ".[test]")
+    session.install("tests/fixtures/areal_probe")
+    session.run("pytest", *(session.posargs or ["tests/hosts/areal", "-x", "-q"]))

@@ -13,13 +13,14 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from importlib import metadata
 from typing import Any
 
 import pluggy
 
 from megastart import hookspec
-from megastart.settings import Settings, resolve
+from megastart.settings import _CORE_ENV, Settings, resolve, to_plain_mapping
 
 PLUGIN_GROUP = "megastart"
 ENGINE_GROUP = "megastart.engines"
@@ -108,11 +109,12 @@ def call_hook(name: str, **kwargs: Any) -> Any:
 
 def _build(config: Any) -> tuple[pluggy.PluginManager, Settings]:
     known = [ep.name for ep in plugin_entry_points()]
-    core = resolve(config, ignored_sections=known).core
+    core_only = _core_settings(config)
+    core = core_only.core
     pm = pluggy.PluginManager(hookspec.PROJECT)
     pm.add_hookspecs(hookspec)
     if not core.enabled:
-        return pm, resolve(config, ignored_sections=known)
+        return pm, core_only
     unknown = sorted(set(core.blocklist) - set(known))
     if unknown:
         log.warning(
@@ -128,17 +130,33 @@ def _build(config: Any) -> tuple[pluggy.PluginManager, Settings]:
         for name, plugin in pm.list_name_plugin()
         if plugin is not None and hasattr(plugin, "megastart_settings")
     }
-    # Engine adapters may declare a section too, named after their host; loading
-    # an adapter class imports megastart's adapter module, never the host.
-    for ep in engine_entry_points():
-        adapter_class = ep.load()
-        if hasattr(adapter_class, "megastart_settings"):
-            sections[adapter_class.host] = adapter_class.megastart_settings
+    sections.update(_engine_sections())
     settings = resolve(config, sections=sections, ignored_sections=set(known) - set(sections))
     if settings.core.trace:
         pm.trace.root.setwriter(_trace_writer)
         pm.enable_tracing()
     return pm, settings
+
+
+def _core_settings(config: Any) -> Settings:
+    """The top-level settings alone: read before any plugin or adapter is imported,
+    so sections (whose classes live in those modules) are not looked at yet."""
+    top_level = {k: v for k, v in to_plain_mapping(config).items() if not isinstance(v, Mapping)}
+    environ = {k: v for k, v in os.environ.items() if k in _CORE_ENV}
+    return resolve(top_level, environ=environ)
+
+
+def _engine_sections() -> dict[str, type]:
+    """Settings sections that engine adapters declare, named after their host.
+
+    Loading an adapter class imports megastart's adapter module, never the host.
+    """
+    sections = {}
+    for ep in engine_entry_points():
+        adapter_class = ep.load()
+        if hasattr(adapter_class, "megastart_settings"):
+            sections[adapter_class.host] = adapter_class.megastart_settings
+    return sections
 
 
 def _trace_writer(message: str) -> None:

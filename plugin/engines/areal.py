@@ -46,7 +46,8 @@ class ArealSettings:
     skip_hf_load_on_recover: bool = False
     """Defer the HF load that ``MegatronEngine.initialize`` always runs. When the
     engine's next weight-touching call is a recover load that restores the model
-    and the optimizer (``recover.no_load_optim=false``), the HF load never runs;
+    and, where the engine has one, the optimizer (``recover.no_load_optim=false``;
+    AReaL's model load is strict), the HF load never runs;
     any other call (a fresh start's first step, ``save``, ``offload``,
     ``update_weights``, a load without optimizer) runs the deferred HF load first
     and refreshes the optimizer's main parameters from it."""
@@ -118,11 +119,12 @@ class ArealAdapter(EngineAdapter):
         recover = is_recover_load(meta)
         if recover:
             self._raise_if_failed("post_recover_load")
-        if recover and meta.with_optim and instance in self._deferred:
+        restores_all = meta.with_optim or instance.optimizer is None
+        if recover and restores_all and instance in self._deferred:
             path = self._deferred.pop(instance)
             log.info(
                 "megastart: HF load of %s skipped: the recover checkpoint %s restores "
-                "the model and the optimizer",
+                "every parameter (and the optimizer's)",
                 path,
                 meta.path,
             )

@@ -12,12 +12,16 @@ does what ``initialize`` does with CPU parts: AReaL's own ``create_process_group
 from __future__ import annotations
 
 import os
+import time
 from types import SimpleNamespace
 from typing import Any
 
 from areal_cpu import import_megatron_engine, python_path
 
 import megastart.autoload  # noqa: F401  (what megastart.areal_worker does first)
+
+HF_LOAD_SECONDS: list[float] = []
+"""Wall time of each ``_load_model_from_hf`` call ``engine_on_cpu`` made in this process."""
 
 EXPERIMENT = SimpleNamespace(experiment_name="megastart-areal", trial_name="t0")
 
@@ -54,8 +58,10 @@ def engine_on_cpu(checkpoint: str, *, tp: int, engine_class: type | None = None)
     engine.checkpointer = MegatronCheckpointManager(
         model=engine.model, optimizer=None, lr_scheduler=None
     )
+    start = time.perf_counter()
     with engine.device:
         engine._load_model_from_hf(checkpoint)
+    HF_LOAD_SECONDS.append(time.perf_counter() - start)
     engine._initialized = True
     return engine
 
