@@ -27,10 +27,12 @@ HF weights, and are left alone.
 ``EngineContext.extra`` carries, for plugins that need them:
 
 - ``"verl_engine"``: the ``MegatronEngine`` itself;
-- ``"value_model"``: True for a critic, whose ``output_layer`` is a value head
-  that the HF checkpoint does not contain;
-- ``"allowed_mismatched_params"``: the parameters verl tells Megatron-Bridge
-  not to load from the checkpoint (``("output_layer.weight",)`` for a critic).
+- ``"value_model"``: True for a critic, whose ``output_layer`` is a value head.
+
+A critic's model is loaded by verl itself: its value head is not in the HF
+checkpoint, and ``on_model_load`` promises every parameter filled, so the hook
+is not called for it (one line on rank 0 says so). ``post_recover_load`` and
+``pre_first_step`` run for critics as for actors.
 """
 
 from __future__ import annotations
@@ -100,6 +102,13 @@ class VerlAdapter(EngineAdapter):
     ) -> Any:
         if engine.engine_config.use_dist_checkpointing:
             return wrapped(*args, **kwargs)
+        if engine.is_value_model:
+            _log_rank0(
+                "megastart: on_model_load is not called for verl's value model (critic): its "
+                "value head is not in the HF checkpoint, and the hook must fill every parameter; "
+                "verl's own loader runs"
+            )
+            return wrapped(*args, **kwargs)
         loader = BRIDGE_LOADERS[bool(engine.vanilla_bridge)]
         with _shadowed(engine.bridge, loader, self._bridge_loader(engine)):
             return wrapped(*args, **kwargs)
@@ -108,8 +117,7 @@ class VerlAdapter(EngineAdapter):
         def load(wrapped: Callable[..., Any], _bridge: Any, args: Any, kwargs: Any) -> Any:
             model = _argument(wrapped, args, kwargs, 0)
             path = _argument(wrapped, args, kwargs, 1) or engine.model_config.local_path
-            mismatched = kwargs.get("allowed_mismatched_params") or ()
-            context = self._context(engine, model, allowed_mismatched_params=tuple(mismatched))
+            context = self._context(engine, model)
             if call_hook("on_model_load", engine=context, checkpoint=str(path)) is None:
                 return wrapped(*args, **kwargs)
             return None
@@ -144,7 +152,6 @@ class VerlAdapter(EngineAdapter):
         model: Any = None,
         *,
         is_restart: bool = False,
-        allowed_mismatched_params: tuple[str, ...] = (),
     ) -> EngineContext:
         from megatron.core import parallel_state
         from verl.utils.megatron_utils import unwrap_model
@@ -163,9 +170,15 @@ class VerlAdapter(EngineAdapter):
             extra={
                 "verl_engine": engine,
                 "value_model": bool(engine.is_value_model),
-                "allowed_mismatched_params": allowed_mismatched_params,
             },
         )
+
+
+def _log_rank0(message: str) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        log.info(message)
 
 
 def _training_device() -> Any:

@@ -125,3 +125,20 @@ def test_post_recover_load_runs_after_verls_resume_load(pool, checkpoint, tmp_pa
         assert recover["is_restart"] is True
         # the hook saw the restored weights, not the overwritten ones (3.0 everywhere)
         assert recover["first_param_sum"] == out["saved_sum"]
+
+
+def test_a_critic_is_loaded_by_verl_itself(pool, checkpoint):
+    # rank0_loader and a plugin that would handle the load are both enabled
+    ranks = pool.run(
+        verl_cpu.load_on_rank,
+        checkpoint,
+        value_model=True,
+        MEGASTART_VERL_PROBE_MODE="handle",
+        MEGASTART_BLOCKLIST="comm_warmup",
+    )
+    for out in ranks:
+        assert out["calls"] == []
+        params = out["params"]
+        embedding = hf_shard(checkpoint, "model.embed_tokens.weight", out["tp_rank"])
+        assert torch.equal(params["embedding.word_embeddings.weight"], embedding)
+        assert params["output_layer.weight"].shape == (1, 64)  # the value head

@@ -65,17 +65,23 @@ def use_local_spec_in_mbridge() -> None:
     }
 
 
-def build_engine(checkpoint: str, *, forward_only: bool) -> Any:
-    """verl's LM-head Megatron engine for ``checkpoint`` (mbridge, bf16), not yet initialised."""
+def build_engine(checkpoint: str, *, forward_only: bool, value_model: bool = False) -> Any:
+    """verl's Megatron engine for ``checkpoint`` (mbridge, bf16), not yet initialised:
+    the LM-head engine (actor, reference) or the value-head one (critic)."""
     import torch
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
-    from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+    from verl.workers.engine.megatron import transformer_impl
 
     use_local_spec_in_mbridge()
     torch.cuda.mem_get_info = lambda device=None: (0, 0)
-    return MegatronEngineWithLMHead(
-        HFModelConfig(path=checkpoint, load_tokenizer=False),
+    engine_class, model_type = (
+        (transformer_impl.MegatronEngineWithValueHead, "value_model")
+        if value_model
+        else (transformer_impl.MegatronEngineWithLMHead, "language_model")
+    )
+    return engine_class(
+        HFModelConfig(path=checkpoint, load_tokenizer=False, model_type=model_type),
         McoreEngineConfig(
             tensor_model_parallel_size=TP,
             vanilla_mbridge=True,
@@ -143,7 +149,7 @@ def configure_megastart(**env: str) -> None:
     reset()
 
 
-def initialized_engine(checkpoint: str, **env: str) -> Any:
+def initialized_engine(checkpoint: str, *, value_model: bool = False, **env: str) -> Any:
     """A forward-only engine through verl's own ``initialize`` (the HF load included)."""
     import megastart_verl_probe
 
@@ -152,7 +158,7 @@ def initialized_engine(checkpoint: str, **env: str) -> Any:
     configure_megastart(**env)
     megastart_verl_probe.CALLS.clear()
     initialize_megatron(tp=TP)
-    engine = build_engine(checkpoint, forward_only=True)
+    engine = build_engine(checkpoint, forward_only=True, value_model=value_model)
     engine.initialize()
     return engine
 
@@ -164,7 +170,7 @@ def parameters(engine: Any) -> dict[str, Any]:
     return {name: param.detach().float().clone() for name, param in chunk.named_parameters()}
 
 
-def load_on_rank(checkpoint: str, **env: str) -> dict[str, Any]:
+def load_on_rank(checkpoint: str, *, value_model: bool = False, **env: str) -> dict[str, Any]:
     """Build and initialise the engine; what the hooks saw and what the weights hold."""
     import megastart_verl_probe
     from megatron.core import parallel_state
@@ -173,7 +179,7 @@ def load_on_rank(checkpoint: str, **env: str) -> dict[str, Any]:
     from megastart.engines import adapters
 
     try:
-        engine = initialized_engine(checkpoint, **env)
+        engine = initialized_engine(checkpoint, value_model=value_model, **env)
         return {
             "attached": {name: a.attached for name, a in adapters().items()},
             "calls": list(megastart_verl_probe.CALLS),
