@@ -39,6 +39,14 @@ class ExportToRayWorkers(Callback):
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         export_to_ray_workers(config)
 
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        # Hydra copies each job's config before any per-job callback runs, so
+        # nothing could reach the workers: refuse rather than run without megastart.
+        raise RuntimeError(
+            "megastart: +megastart=on does not support Hydra multirun (-m): the settings "
+            "cannot reach each job's Ray workers; run the jobs one by one"
+        )
+
 
 def export_to_ray_workers(config: DictConfig) -> dict[str, str]:
     """Validate ``config.megastart`` and write it, with the activation, into verl's Ray env vars.

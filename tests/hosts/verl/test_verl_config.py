@@ -125,3 +125,9 @@ def test_the_group_lists_every_setting_of_the_builtin_plugins():
         "comm_warmup": CommWarmupSettings,
     }.items():
         assert sorted(section[name]) == sorted(f.name for f in dataclasses.fields(cls)), name
+
+
+def test_multirun_is_refused_rather_than_run_without_megastart():
+    config = compose_ppo_trainer("model_engine=megatron", "+megastart=on")
+    with pytest.raises(RuntimeError, match="does not support Hydra multirun"):
+        ExportToRayWorkers().on_multirun_start(config=config)
