@@ -12,7 +12,7 @@ import logging
 import sys
 import threading
 from collections.abc import Callable
-from types import ModuleType
+from types import FrameType, ModuleType
 
 from megastart.engines.base import Compatibility, EngineAdapter, IncompatibleHost
 
@@ -80,7 +80,7 @@ def _discover(_module: ModuleType) -> None:
         wrapt.register_post_import_hook(_attacher(ep.name), ep.name)
 
 
-def _attacher(name: str):  # type: ignore[no-untyped-def]
+def _attacher(name: str) -> Callable[[ModuleType], None]:
     def attach(module: ModuleType) -> None:
         if _executing(module):
             # The host module imports megatron.core itself (verl's transformer_impl
@@ -100,7 +100,7 @@ def _attacher(name: str):  # type: ignore[no-untyped-def]
 
 def _executing(module: ModuleType) -> bool:
     """Whether the module's body is still running on this thread (it is importing something)."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_globals is vars(module) and frame.f_code.co_name == "<module>":
             return True
