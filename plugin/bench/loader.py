@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import platform
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -162,9 +161,11 @@ def run(args: argparse.Namespace) -> int:
             sample_s=args.sample_ms / 1e3,
             timeout_s=args.timeout_s,
         )
-    results["command"] = (
-        "megastart " + " ".join(sys.argv[1:]) if sys.argv[1:] else "megastart bench loader"
-    )
+    results["arguments"] = {
+        key: str(value) if isinstance(value, Path) else value
+        for key, value in vars(args).items()
+        if not callable(value)
+    }
     print(render(results))
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
