@@ -171,12 +171,16 @@ def recover_handler(fileroot: str) -> Any:
 
 def save_recover_checkpoint(engine: Any, fileroot: str) -> list[float]:
     """AReaL's ``RecoverHandler.dump`` after step 0; the parameters' sums it saved."""
+    import torch
     from areal.api import StepInfo
 
     handler = recover_handler(fileroot)
     step = StepInfo(epoch=0, epoch_step=0, global_step=0, steps_per_epoch=2)
     parts = Stateless()
     handler.dump(engine, step, parts, parts, parts, parts)
+    # Rank 0 writes the recover info after the last collective; a restart reads it
+    # in a later run, so wait for it as the end of this run would.
+    torch.distributed.barrier()
     return parameter_sums(engine)
 
 
