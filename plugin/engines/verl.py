@@ -102,7 +102,7 @@ class VerlAdapter(EngineAdapter):
     ) -> Any:
         if engine.engine_config.use_dist_checkpointing:
             return wrapped(*args, **kwargs)
-        if engine.is_value_model:
+        if _is_value_model(engine):
             _log_rank0(
                 "megastart: on_model_load is not called for verl's value model (critic): its "
                 "value head is not in the HF checkpoint, and the hook must fill every parameter; "
@@ -169,9 +169,14 @@ class VerlAdapter(EngineAdapter):
             settings=get_settings(),
             extra={
                 "verl_engine": engine,
-                "value_model": bool(engine.is_value_model),
+                "value_model": _is_value_model(engine),
             },
         )
+
+
+def _is_value_model(engine: Any) -> bool:
+    """verl's own test; verl 0.8 sets ``engine.is_value_model`` only inside ``_build_megatron_module``."""
+    return bool(engine.model_config.model_type == "value_model")
 
 
 def _log_rank0(message: str) -> None:

@@ -5,6 +5,8 @@ TP=2: ``on_model_load`` dispatches from inside verl's ``_build_megatron_module``
 
 from __future__ import annotations
 
+from importlib import metadata
+
 import pytest
 import torch
 import verl_cpu
@@ -50,7 +52,7 @@ def test_a_load_report_skips_verls_own_loader(pool, checkpoint):
             "hook": "on_model_load",
             "checkpoint": checkpoint,
             "host": "verl",
-            "host_version": "0.9.1",
+            "host_version": metadata.version("verl"),
             "chunk_types": ["GPTModel"],
             "parallel_state": "megatron.core.parallel_state",
             "tp": 2,
