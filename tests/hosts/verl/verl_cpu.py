@@ -123,7 +123,7 @@ def give_checkpoint_manager(engine: Any) -> None:
         arch=engine.model_config.architectures[0],
         hf_config=engine.model_config.hf_config,
         param_dtype=engine.param_dtype,
-        share_embeddings_and_output_weights=engine.share_embeddings_and_output_weights,
+        share_embeddings_and_output_weights=engine.model_config.share_embeddings_and_output_weights,
         processing_class=None,
         optimizer=None,
         optimizer_scheduler=None,
