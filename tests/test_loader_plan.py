@@ -11,8 +11,17 @@ from pyrun import run_python
 
 from megastart.loader.checkpoint import CheckpointMeta, TensorEntry
 from megastart.loader.mappings import QWEN3, mapping_for
-from megastart.loader.plan import ParamInfo, PlanError, build_plan, resolve_needs, unused_tensors
-from megastart.loader.transforms import Shard
+from megastart.loader.plan import (
+    Need,
+    ParamInfo,
+    Plan,
+    PlanError,
+    build_plan,
+    resolve_needs,
+    unused_tensors,
+)
+from megastart.loader.transforms import TRANSFORMS, Shard
+from megastart.loader.verify import Coverage
 
 HIDDEN, HEADS, GROUPS, HEAD_DIM, FFN, VOCAB, LAYERS = 64, 8, 4, 16, 96, 300, 2
 
@@ -152,29 +161,66 @@ def test_tied_checkpoint_feeds_the_output_layer_from_the_embedding() -> None:
     )
 
 
-def test_buckets_keep_fused_inputs_together_and_respect_the_size() -> None:
+def needs_and_plan(tp: int, bucket_bytes: int) -> tuple[CheckpointMeta, list[list[Need]], Plan]:
     meta = checkpoint(hf_shapes())
-    needs_by_rank = [
-        [
-            (n.hf, "bfloat16")
-            for n in resolve_needs(megatron_params(2, te_spec=False), QWEN3, meta, shard(2, r))
-        ]
-        for r in range(2)
+    needs = [
+        resolve_needs(megatron_params(tp, te_spec=False), QWEN3, meta, shard(tp, r))
+        for r in range(tp)
     ]
-    bucket_bytes = 2 * FFN * HIDDEN * 2  # exactly one gate/up pair in bf16
-    plan = build_plan(needs_by_rank, meta, bucket_bytes=bucket_bytes)
-    assert plan == build_plan(needs_by_rank, meta, bucket_bytes=bucket_bytes)  # deterministic
-    where = {slot.name: i for i, bucket in enumerate(plan.buckets) for slot in bucket.slots}
-    assert sorted(where) == sorted(meta.tensors)
-    for i in range(LAYERS):
-        p = f"model.layers.{i}."
-        assert len({where[p + f"self_attn.{x}_proj.weight"] for x in "qkv"}) == 1
-        assert where[p + "mlp.gate_proj.weight"] == where[p + "mlp.up_proj.weight"]
-    vocab_bytes = VOCAB * HIDDEN * 2
-    assert all(b.nbytes <= max(bucket_bytes, vocab_bytes) for b in plan.buckets)
+    demands = [[(n.hf, "float32") for n in rank_needs] for rank_needs in needs]
+    return meta, needs, build_plan(demands, meta, bucket_bytes=bucket_bytes)
+
+
+def test_no_bucket_exceeds_the_size_tensors_larger_travel_as_row_blocks() -> None:
+    bucket_bytes = FFN * HIDDEN * 4 // 3  # a third of a gate/up tensor; the embedding is 9 of them
+    meta, _, plan = needs_and_plan(2, bucket_bytes)
+    assert plan == needs_and_plan(2, bucket_bytes)[2]  # deterministic
+    assert max(b.nbytes for b in plan.buckets) <= bucket_bytes
     slots = [slot for bucket in plan.buckets for slot in bucket.slots]
-    assert all(slot.dtype == "bfloat16" and slot.offset % 64 == 0 for slot in slots)
-    assert [slot.name for slot in slots] == list(meta.tensors)  # read front to back
+    assert all(slot.dtype == "float32" and slot.offset % 64 == 0 for slot in slots)
+    assert list(dict.fromkeys(slot.name for slot in slots)) == list(meta.tensors)  # front to back
+    for name, entry in meta.tensors.items():
+        rows = [slot.rows for slot in slots if slot.name == name]
+        assert [(r.start, r.stop) for r in rows] == list(
+            zip([0] + [r.stop for r in rows[:-1]], [r.stop for r in rows], strict=True)
+        ) and rows[-1].stop == entry.shape[0], name  # consecutive, every row once
+    embedding = [s for s in slots if s.name == "model.embed_tokens.weight"]
+    assert len(embedding) == -(-VOCAB * HIDDEN * 4 // bucket_bytes)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_row_blocks_load_exactly_what_whole_tensors_load(tp: int) -> None:
+    """Each rank's parameters from row blocks in small buckets equal the whole-tensor transforms'."""
+    torch = pytest.importorskip("torch")
+    meta, needs, plan = needs_and_plan(tp, bucket_bytes=1000)
+    generator = torch.Generator().manual_seed(0)
+    hf = {n: torch.randn(e.shape, generator=generator) for n, e in meta.tensors.items()}
+    for rank, rank_needs in enumerate(needs):
+        expected = {n.param.name: torch.full(n.param.shape, torch.nan) for n in rank_needs}
+        for need in rank_needs:
+            transform = TRANSFORMS[need.transform]
+            for first, stop, block in transform.pieces(
+                [hf[n] for n in need.hf], need.param.shape, shard(tp, rank)
+            ):
+                expected[need.param.name][first:stop] = block
+        loaded = {name: torch.full_like(t, torch.nan) for name, t in expected.items()}
+        coverage = Coverage()
+        for slot in (slot for bucket in plan.buckets for slot in bucket.slots):
+            rows = hf[slot.name][
+                slot.rows.start : slot.rows.stop
+            ].clone()  # what the bucket carries
+            for need in rank_needs:
+                if slot.name not in need.hf:
+                    continue
+                blocks = TRANSFORMS[need.transform].blocks(
+                    need.hf.index(slot.name), rows, slot.rows, need.param.shape, shard(tp, rank)
+                )
+                for first, stop, block in blocks:
+                    loaded[need.param.name][first:stop] = block
+                    coverage.record(need.param, first, stop)
+        coverage.check([n.param for n in rank_needs])
+        for name, tensor in expected.items():
+            assert torch.equal(loaded[name], tensor), (rank, name)
 
 
 def test_mapping_tables_register_through_entry_points(tmp_path: Path) -> None:

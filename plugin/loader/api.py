@@ -199,10 +199,11 @@ class _Stream:
         self.coverage = coverage
         self.channel = channel
         self.group_size = group_size
-        bucket_of = {slot.name: i for i, b in enumerate(plan.buckets) for slot in b.slots}
-        self.needs_by_bucket: list[list[Need]] = [[] for _ in plan.buckets]
+        self.consumers: dict[str, list[tuple[Need, int]]] = {}
+        """HF tensor name -> this rank's needs that take it, and as which input."""
         for need in needs:
-            self.needs_by_bucket[bucket_of[need.hf[0]]].append(need)
+            for index, name in enumerate(need.hf):
+                self.consumers.setdefault(name, []).append((need, index))
 
     def run_reader(self, meta: CheckpointMeta, settings: Rank0LoaderSettings) -> tuple[int, int]:
         """Read, broadcast and apply every bucket; returns (bytes read, bytes broadcast)."""
@@ -253,16 +254,19 @@ class _Stream:
     def _apply(self, index: int, payload: torch.Tensor) -> None:
         import torch
 
-        slots = {slot.name: slot for slot in self.plan.buckets[index].slots}
         with torch.no_grad():
-            for need in self.needs_by_bucket[index]:
-                inputs = [slot_view(payload, slots[name]) for name in need.hf]
-                param = self.tensors[(need.param.chunk, need.param.local_name)]
-                for first, stop, piece in TRANSFORMS[need.transform].pieces(
-                    inputs, need.param.shape, self.shard
-                ):
-                    param.data[first:stop].copy_(piece)
-                    self.coverage.record(need.param, first, stop)
+            for slot in self.plan.buckets[index].slots:
+                for need, input_index in self.consumers.get(slot.name, ()):
+                    param = self.tensors[(need.param.chunk, need.param.local_name)]
+                    for first, stop, piece in TRANSFORMS[need.transform].blocks(
+                        input_index,
+                        slot_view(payload, slot),
+                        slot.rows,
+                        need.param.shape,
+                        self.shard,
+                    ):
+                        param.data[first:stop].copy_(piece)
+                        self.coverage.record(need.param, first, stop)
 
 
 def _table(meta: CheckpointMeta) -> MappingTable:

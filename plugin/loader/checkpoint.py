@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +64,15 @@ class TensorEntry:
         for d in self.shape:
             n *= d
         return n
+
+    def row_range(self, first: int, stop: int) -> TensorEntry:
+        """Rows ``[first, stop)`` of this tensor (dim 0), as an entry of their own bytes."""
+        if (first, stop) == (0, self.shape[0] if self.shape else 1):
+            return self
+        row_bytes = self.numel // self.shape[0] * ITEMSIZE[self.dtype]
+        start = self.start + first * row_bytes if self.start >= 0 else -1
+        end = self.start + stop * row_bytes if self.start >= 0 else -1
+        return replace(self, shape=(stop - first, *self.shape[1:]), start=start, end=end)
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,13 +274,20 @@ class TensorReader:
         self.bytes_read = 0
         self._files: dict[str, Any] = {}
 
-    def read_into(self, entry: TensorEntry, out: torch.Tensor) -> None:
-        """Fill ``out`` (contiguous, ``entry``'s shape, any dtype) with the tensor, converting."""
+    def read_into(self, entry: TensorEntry, out: torch.Tensor, first_row: int = 0) -> None:
+        """Fill ``out`` (contiguous, any dtype) with the tensor's rows from ``first_row`` on, converting.
+
+        ``out`` has the shape of the rows read: the whole tensor's, or a dim-0 range of it.
+        """
         import torch
 
+        stop = first_row + (out.shape[0] if out.dim() else 1)
+        whole = entry
+        entry = entry.row_range(first_row, stop)
         dtype = getattr(torch, entry.dtype)
         if self.meta.format == "bin":
-            out.copy_(self._bin_file(entry.file)[entry.name])
+            tensor = self._bin_file(entry.file)[entry.name]
+            out.copy_(tensor if entry is whole else tensor[first_row:stop])
         elif out.dtype == dtype and out.device.type == "cpu":
             read_exact(self._file(entry.file), entry, out.view(torch.uint8).reshape(-1).numpy())
         else:

@@ -15,7 +15,7 @@ from typing import Any
 
 from megastart.loader.checkpoint import ITEMSIZE, CheckpointMeta, TensorEntry
 from megastart.loader.mappings import MappingTable
-from megastart.loader.transforms import TRANSFORMS, Shard
+from megastart.loader.transforms import TRANSFORMS, Rows, Shard
 
 _ALIGN = 64
 """Byte alignment of each tensor in a bucket, so every dtype view of it is aligned."""
@@ -58,17 +58,22 @@ class Need:
 
 @dataclass(frozen=True, slots=True)
 class Slot:
-    """One HF tensor's place in a bucket, in the dtype it travels in."""
+    """The place in a bucket of one HF tensor's rows, in the dtype it travels in."""
 
     name: str
     offset: int
     shape: tuple[int, ...]
+    """The shape of the rows held (the tensor's own when it travels whole)."""
     dtype: str
     nbytes: int
+    rows: Rows
+    """Which rows of the tensor (dim 0) the slot holds."""
 
 
 @dataclass(frozen=True, slots=True)
 class Bucket:
+    """Slots, back to back (64-byte aligned); ``nbytes`` is at most the plan's bucket size."""
+
     slots: tuple[Slot, ...]
     nbytes: int
 
@@ -158,7 +163,7 @@ def resolve_needs(
 
 
 Demand = tuple[tuple[str, ...], str]
-"""What one need asks the stream for: the HF tensors (read together) and the parameter dtype."""
+"""What one need asks the stream for: the HF tensors and the parameter dtype."""
 
 
 def unused_tensors(
@@ -172,56 +177,47 @@ def unused_tensors(
 def build_plan(
     demands_by_rank: Sequence[Sequence[Demand]], meta: CheckpointMeta, *, bucket_bytes: int
 ) -> Plan:
-    """Buckets for the given ranks' demands: tensors read together stay in one bucket.
+    """Buckets of at most ``bucket_bytes`` for the given ranks' demands.
 
     Tensors travel in their consumers' dtype (in the checkpoint's where consumers
-    disagree); units are ordered by file and offset, so the reader reads each
-    file front to back, and packed greedily up to ``bucket_bytes`` (a unit larger
-    than that gets a bucket of its own).
+    disagree), ordered by file and offset, so the reader reads each file front
+    to back, and packed greedily. A tensor larger than a bucket travels as row
+    blocks (dim-0 ranges) in consecutive buckets, so transient memory is set by
+    ``bucket_bytes``, not by the largest tensor (an embedding); only a single
+    row larger than a bucket gets a bucket of its own size. The transforms take
+    one input's row range at a time, so fused inputs (q, k, v) may travel apart.
     """
     dtypes: dict[str, set[str]] = {}
-    parent: dict[str, str] = {}
-
-    def root(name: str) -> str:
-        while parent[name] != name:
-            parent[name] = parent[parent[name]]
-            name = parent[name]
-        return name
-
     for demands in demands_by_rank:
         for names, dtype in demands:
             for name in names:
-                parent.setdefault(name, name)
                 dtypes.setdefault(name, set()).add(dtype)
-            for name in names[1:]:
-                parent[root(name)] = root(names[0])
-    units: dict[str, list[TensorEntry]] = {}
-    for name in parent:
-        units.setdefault(root(name), []).append(meta.tensors[name])
-    ordered = sorted(
-        (sorted(unit, key=_file_order) for unit in units.values()), key=lambda u: _file_order(u[0])
-    )
-
     buckets: list[Bucket] = []
     slots: list[Slot] = []
     offset = 0
-    for unit in ordered:
-        unit_slots = []
-        unit_bytes = 0
-        for entry in unit:
-            wanted = dtypes[entry.name]
-            dtype = next(iter(wanted)) if len(wanted) == 1 else entry.dtype
-            nbytes = entry.numel * ITEMSIZE[dtype]
-            unit_slots.append((entry, dtype, nbytes, unit_bytes))
-            unit_bytes += _aligned(nbytes)
-        if slots and offset + unit_bytes > bucket_bytes:
-            buckets.append(Bucket(tuple(slots), offset))
-            slots, offset = [], 0
-        slots.extend(Slot(e.name, offset + at, e.shape, dtype, n) for e, dtype, n, at in unit_slots)
-        offset += unit_bytes
+    for entry in sorted((meta.tensors[name] for name in dtypes), key=_file_order):
+        wanted = dtypes[entry.name]
+        dtype = next(iter(wanted)) if len(wanted) == 1 else entry.dtype
+        for rows in _row_blocks(entry, ITEMSIZE[dtype], bucket_bytes):
+            nbytes = entry.numel // max(rows.total, 1) * (rows.stop - rows.start) * ITEMSIZE[dtype]
+            if slots and offset + nbytes > bucket_bytes:
+                buckets.append(Bucket(tuple(slots), offset))
+                slots, offset = [], 0
+            shape = (rows.stop - rows.start, *entry.shape[1:]) if entry.shape else ()
+            slots.append(Slot(entry.name, offset, shape, dtype, nbytes, rows))
+            offset += _aligned(nbytes)
     if slots:
         buckets.append(Bucket(tuple(slots), offset))
     return Plan(tuple(buckets))
+
+
+def _row_blocks(entry: TensorEntry, itemsize: int, bucket_bytes: int) -> list[Rows]:
+    """``entry``'s dim-0 ranges, each at most ``bucket_bytes`` (at least one row)."""
+    if not entry.shape or entry.shape[0] == 0:
+        return [Rows(0, 1, 1) if not entry.shape else Rows(0, 0, 0)]
+    total = entry.shape[0]
+    per_block = max(1, bucket_bytes // (entry.numel // total * itemsize or 1))
+    return [Rows(i, min(i + per_block, total), total) for i in range(0, total, per_block)]
 
 
 def _file_order(entry: TensorEntry) -> tuple[str, int, str]:

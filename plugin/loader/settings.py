@@ -17,9 +17,9 @@ class Rank0LoaderSettings:
     ``auto``: NCCL for CUDA parameters, gloo for CPU ones."""
 
     bucket_mb: float = 256.0
-    """Tensors are streamed in buckets of about this many MiB (a tensor, or a group of
-    tensors fused into one parameter, larger than that travels alone). Peak extra
-    memory is about two buckets per rank."""
+    """Tensors are streamed in buckets of at most this many MiB (a tensor larger than
+    that travels as row blocks in several buckets). Transient memory is about one
+    bucket per receiving rank and two on the reader, whatever the largest tensor."""
 
     timeout_s: float = 300.0
     """Upper bound on any single collective of the load."""

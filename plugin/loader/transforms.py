@@ -5,10 +5,14 @@ Each transform does two things, both on the receiving rank:
 * ``check(hf, local_shape, shard)``: the problems (empty if none) with the HF
   tensors (``(name, shape)`` pairs) for a parameter of ``local_shape`` on this
   shard; run in the plan phase, before any byte moves.
-* ``pieces(inputs, local_shape, shard)``: ``(first_row, stop_row, tensor)``
-  blocks that together make the local parameter; the receiver copies each into
+* ``blocks(index, source, rows, local_shape, shard)``: the ``(first_row,
+  stop_row, tensor)`` pieces of the local parameter that rows ``rows`` of HF
+  input ``index`` (held in ``source``) make; the receiver copies each into
   those rows of the parameter and records them for the coverage check. Writing
-  blocks in place avoids materialising a fused full-size tensor.
+  blocks in place avoids materialising a fused full-size tensor, and taking a
+  row range of one input lets a tensor larger than a bucket travel in several
+  buckets (and fused inputs travel apart).
+* ``pieces(inputs, local_shape, shard)``: the same for whole input tensors.
 
 Rows are along dim 0, the dim Megatron's column-parallel layers split.
 """
@@ -43,8 +47,21 @@ class Shard:
     """Size of that group, which may differ from ``tp_size`` (``expert_tensor_parallel_size``)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Rows:
+    """The dim-0 range ``[start, stop)`` of an HF tensor of ``total`` rows that a block holds."""
+
+    start: int
+    stop: int
+    total: int
+
+
 class Transform(Protocol):
     def check(self, hf: Sequence[Named], local: Shape, shard: Shard) -> list[str]: ...
+
+    def blocks(
+        self, index: int, source: torch.Tensor, rows: Rows, local: Shape, shard: Shard
+    ) -> Iterator[Piece]: ...
 
     def pieces(
         self, inputs: Sequence[torch.Tensor], local: Shape, shard: Shard
@@ -59,29 +76,66 @@ def _expect(hf: Sequence[Named], wanted: Sequence[Shape]) -> list[str]:
     ]
 
 
-class Replicated:
+def _place(
+    source: torch.Tensor, rows: Rows, lo: int, hi: int, dest: int, cols: slice | None = None
+) -> Iterator[Piece]:
+    """The rows ``[lo, hi)`` of the HF tensor that ``source`` holds, written from parameter row ``dest``."""
+    first, stop = max(lo, rows.start), min(hi, rows.stop)
+    if first >= stop:
+        return
+    if first == rows.start and stop == rows.stop:  # the whole block: index only the columns
+        block = source if cols is None else source[:, cols]
+    else:
+        below = slice(first - rows.start, stop - rows.start)
+        block = source[below] if cols is None else source[below, cols]
+    yield dest + first - lo, dest + stop - lo, block
+
+
+class _RowBlocks:
+    """``pieces`` of whole tensors, in terms of ``blocks`` of row ranges (one HF tensor each)."""
+
+    def blocks(
+        self, index: int, source: torch.Tensor, rows: Rows, local: Shape, shard: Shard
+    ) -> Iterator[Piece]:
+        raise NotImplementedError
+
+    def pieces(self, inputs: Sequence[torch.Tensor], local: Shape, shard: Shard) -> Iterator[Piece]:
+        for index, source in enumerate(inputs):
+            whole = Rows(0, source.shape[0], source.shape[0])
+            yield from self.blocks(index, source, whole, local, shard)
+
+
+class Replicated(_RowBlocks):
     """Every rank holds the whole tensor (norms)."""
 
     def check(self, hf: Sequence[Named], local: Shape, shard: Shard) -> list[str]:
         return _expect(hf, [local])
 
-    def pieces(self, inputs: Sequence[torch.Tensor], local: Shape, shard: Shard) -> Iterator[Piece]:
-        yield 0, local[0], inputs[0]
+    def blocks(
+        self, index: int, source: torch.Tensor, rows: Rows, local: Shape, shard: Shard
+    ) -> Iterator[Piece]:
+        return _place(source, rows, 0, rows.total, 0)
 
 
-class RowParallel:
+class RowParallel(_RowBlocks):
     """Megatron's row-parallel layers (``linear_proj``, ``linear_fc2``) split the input dim (1)."""
 
     def check(self, hf: Sequence[Named], local: Shape, shard: Shard) -> list[str]:
         return _expect(hf, [(local[0], local[1] * shard.tp_size, *local[2:])])
 
-    def pieces(self, inputs: Sequence[torch.Tensor], local: Shape, shard: Shard) -> Iterator[Piece]:
+    def blocks(
+        self, index: int, source: torch.Tensor, rows: Rows, local: Shape, shard: Shard
+    ) -> Iterator[Piece]:
         n = local[1]
-        yield 0, local[0], inputs[0][:, shard.tp_rank * n : (shard.tp_rank + 1) * n]
+        cols = slice(shard.tp_rank * n, (shard.tp_rank + 1) * n)
+        return _place(source, rows, 0, rows.total, 0, cols)
 
 
-class Vocab:
-    """Embedding / output rows: the padded vocabulary split along dim 0; padded rows are zero."""
+class Vocab(_RowBlocks):
+    """Embedding / output rows: the padded vocabulary split along dim 0; padded rows are zero.
+
+    The zero rows are written with the block that holds the HF tensor's last row.
+    """
 
     def check(self, hf: Sequence[Named], local: Shape, shard: Shard) -> list[str]:
         ((name, got),) = hf
@@ -93,20 +147,21 @@ class Vocab:
             ]
         return []
 
-    def pieces(self, inputs: Sequence[torch.Tensor], local: Shape, shard: Shard) -> Iterator[Piece]:
+    def blocks(
+        self, index: int, source: torch.Tensor, rows: Rows, local: Shape, shard: Shard
+    ) -> Iterator[Piece]:
         import torch
 
-        (full,) = inputs
         n = local[0]
         start = shard.tp_rank * n
-        have = max(0, min(n, full.shape[0] - start))
-        if have:
-            yield 0, have, full[start : start + have]
-        if have < n:
-            yield have, n, torch.zeros((n - have, *local[1:]), dtype=full.dtype, device=full.device)
+        have = max(0, min(n, rows.total - start))
+        yield from _place(source, rows, start, start + have, 0)
+        if have < n and rows.stop == rows.total:
+            zeros = torch.zeros((n - have, *local[1:]), dtype=source.dtype, device=source.device)
+            yield have, n, zeros
 
 
-class GateUp:
+class GateUp(_RowBlocks):
     """SwiGLU ``linear_fc1`` = [gate shard; up shard] on each TP rank."""
 
     def check(self, hf: Sequence[Named], local: Shape, shard: Shard) -> list[str]:
@@ -115,14 +170,14 @@ class GateUp:
         full = (local[0] // 2 * shard.tp_size, *local[1:])
         return _expect(hf, [full, full])
 
-    def pieces(self, inputs: Sequence[torch.Tensor], local: Shape, shard: Shard) -> Iterator[Piece]:
+    def blocks(
+        self, index: int, source: torch.Tensor, rows: Rows, local: Shape, shard: Shard
+    ) -> Iterator[Piece]:
         n = local[0] // 2
-        rows = slice(shard.tp_rank * n, (shard.tp_rank + 1) * n)
-        yield 0, n, inputs[0][rows]
-        yield n, 2 * n, inputs[1][rows]
+        return _place(source, rows, shard.tp_rank * n, (shard.tp_rank + 1) * n, index * n)
 
 
-class Qkv:
+class Qkv(_RowBlocks):
     """Fused QKV (weight or bias): per query group ``[its q heads; k; v]``; TP splits by group."""
 
     def check(self, hf: Sequence[Named], local: Shape, shard: Shard) -> list[str]:
@@ -145,21 +200,19 @@ class Qkv:
             ]
         return _expect(hf, [(heads * d, *rest), (groups * d, *rest), (groups * d, *rest)])
 
-    def pieces(self, inputs: Sequence[torch.Tensor], local: Shape, shard: Shard) -> Iterator[Piece]:
-        q, k, v = inputs
+    def blocks(
+        self, index: int, source: torch.Tensor, rows: Rows, local: Shape, shard: Shard
+    ) -> Iterator[Piece]:
         d = shard.head_dim
         q_rows = shard.num_heads // shard.num_query_groups * d
-        per_group = q_rows + 2 * d
+        size, within = ((q_rows, 0), (d, q_rows), (d, q_rows + d))[index]  # q, k, v
         local_groups = shard.num_query_groups // shard.tp_size
         for j in range(local_groups):
             g = shard.tp_rank * local_groups + j
-            base = j * per_group
-            yield base, base + q_rows, q[g * q_rows : (g + 1) * q_rows]
-            yield base + q_rows, base + q_rows + d, k[g * d : (g + 1) * d]
-            yield base + q_rows + d, base + per_group, v[g * d : (g + 1) * d]
+            yield from _place(source, rows, g * size, (g + 1) * size, j * (q_rows + 2 * d) + within)
 
 
-class ExpertTensorParallel:
+class ExpertTensorParallel(_RowBlocks):
     """A routed expert's weight: ``inner``, split over the expert-tensor-parallel group, not TP."""
 
     def __init__(self, inner: Transform) -> None:
@@ -170,8 +223,10 @@ class ExpertTensorParallel:
         where = f"expert-tensor-parallel rank {expert.tp_rank} of {expert.tp_size}"
         return [f"{problem} ({where})" for problem in self.inner.check(hf, local, expert)]
 
-    def pieces(self, inputs: Sequence[torch.Tensor], local: Shape, shard: Shard) -> Iterator[Piece]:
-        return self.inner.pieces(inputs, local, _expert_shard(shard))
+    def blocks(
+        self, index: int, source: torch.Tensor, rows: Rows, local: Shape, shard: Shard
+    ) -> Iterator[Piece]:
+        return self.inner.blocks(index, source, rows, local, _expert_shard(shard))
 
 
 def _expert_shard(shard: Shard) -> Shard:

@@ -184,9 +184,9 @@ class Prefetcher:
 
 
 def fill(reader: TensorReader, bucket: Bucket, buffer: torch.Tensor) -> None:
-    """Read every tensor of ``bucket`` into its slot of ``buffer``, in the slot's dtype."""
+    """Read every slot of ``bucket`` (a tensor or its rows) into ``buffer``, in the slot's dtype."""
     for slot in bucket.slots:
-        reader.read_into(reader.meta.tensors[slot.name], slot_view(buffer, slot))
+        reader.read_into(reader.meta.tensors[slot.name], slot_view(buffer, slot), slot.rows.start)
 
 
 def slot_view(buffer: torch.Tensor, slot: Slot) -> torch.Tensor:
