@@ -220,7 +220,11 @@ def first_forward(engine: Any) -> str:
     except Exception as error:  # reported by the test: how far AReaL's code runs on CPU
         import traceback
 
-        frames = [f for f in traceback.extract_tb(error.__traceback__) if "/areal/" in f.filename]
+        frames = [
+            f
+            for f in traceback.extract_tb(error.__traceback__)
+            if "site-packages/areal/" in f.filename
+        ]
         where = (
             f" at {frames[-1].filename.split('site-packages/')[-1]}:{frames[-1].lineno} ({frames[-1].name})"
             if frames

@@ -65,6 +65,12 @@ def test_override_group_sets_worker_command_and_settings(tmp_path):
         assert out[role]["gpu"] == 1  # the group replaces the experiment's spec (gpu: 2)
 
 
+def test_spmd_group_carries_settings_to_the_torchrun_trainers(tmp_path):
+    out = compose(tmp_path, SEARCHPATH, "+megastart_areal=spmd")
+    assert out["actor"]["cmd"] == "python3 -m areal.infra.rpc.rpc_server"
+    assert out["actor"]["env"]["MEGASTART_ENABLED"] == "1"
+
+
 def test_field_overrides_keep_a_custom_worker_spec(tmp_path):
     out = compose(
         tmp_path,

@@ -115,4 +115,5 @@ def test_colocated_areal_1_0_4_warms_at_the_first_step_after_the_offload(checkpo
         # AReaL 1.0.4: RecoverHandler.load pushes the weights, then the trainer offloads
         assert names.index("update_weights") < names.index("rollout.offload")
         assert names.index("rollout.offload") < names.index("pre_first_step")
+        print(f"rank {rank}: AReaL forward_batch after the warmup: {out['forward']}")
     assert results[0]["received"] == [0.0, 1.0, 2.0, 3.0]
