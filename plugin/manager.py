@@ -153,7 +153,11 @@ def _engine_sections() -> dict[str, type]:
     """
     sections = {}
     for ep in engine_entry_points():
-        adapter_class = ep.load()
+        try:
+            adapter_class = ep.load()
+        except ImportError as e:  # one broken adapter must not stop the others
+            log.warning("megastart: engine adapter for %s could not be imported: %s", ep.name, e)
+            continue
         if hasattr(adapter_class, "megastart_settings"):
             sections[adapter_class.host] = adapter_class.megastart_settings
     return sections
