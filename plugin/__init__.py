@@ -1,7 +1,8 @@
 """megastart: start Megatron-core RL jobs without host-RAM or first-step GPU OOM.
 
-``import megastart`` is cheap: no torch, no entry-point scan. The heavy parts
-(the loader, the warmup) are imported on first use of their names.
+``import megastart`` is cheap: it imports nothing (no torch, no pluggy, no
+entry-point scan), because it runs in every worker of a host. Each public name
+is imported on first use.
 """
 
 from __future__ import annotations
@@ -9,13 +10,10 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from pluggy import HookimplMarker
-
-from megastart.hookspec import PROJECT
-from megastart.records import EngineContext, LoadReport, WarmupReport
-
 if TYPE_CHECKING:
+    from megastart.hookspec import hookimpl
     from megastart.loader.api import load_hf_checkpoint
+    from megastart.records import EngineContext, LoadReport, WarmupReport
     from megastart.warmup.api import warmup_communicators
 
 __all__ = [
@@ -28,10 +26,11 @@ __all__ = [
     "warmup_communicators",
 ]
 
-hookimpl = HookimplMarker(PROJECT)
-"""Marker for hook implementations: ``@megastart.hookimpl``."""
-
 _LAZY = {
+    "hookimpl": "megastart.hookspec",
+    "EngineContext": "megastart.records",
+    "LoadReport": "megastart.records",
+    "WarmupReport": "megastart.records",
     "load_hf_checkpoint": "megastart.loader.api",
     "warmup_communicators": "megastart.warmup.api",
 }
@@ -43,5 +42,6 @@ def __getattr__(name: str) -> Any:
 
         return metadata.version("megastart")
     if name in _LAZY:
-        return getattr(import_module(_LAZY[name]), name)
+        value = globals()[name] = getattr(import_module(_LAZY[name]), name)
+        return value
     raise AttributeError(f"module 'megastart' has no attribute {name!r}")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pluggy import HookspecMarker
+from pluggy import HookimplMarker, HookspecMarker
 
 if TYPE_CHECKING:
     from megastart.records import EngineContext, LoadReport
@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 PROJECT = "megastart"
 
 hookspec = HookspecMarker(PROJECT)
+
+hookimpl = HookimplMarker(PROJECT)
+"""Marker for hook implementations; use it as ``@megastart.hookimpl``."""
 
 # -------------------------------------------------------------------------
 # Model loading
