@@ -20,7 +20,7 @@ def run_python(
         env={**base, **(env or {})},
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,
     )
     if check and proc.returncode != 0:
         raise AssertionError(
