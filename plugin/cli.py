@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Mapping
 from importlib import import_module
+from typing import Any
 
 DESCRIPTION = """\
 megastart keeps Megatron-core RL post-training jobs (verl, AReaL) from dying
@@ -40,17 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    modules = {}
-    for name, module_name in COMMANDS.items():
-        module = modules[name] = import_module(module_name)
-        command = sub.add_parser(
-            name,
-            help=module.HELP,
-            description=module.__doc__,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
-        module.add_arguments(command)
+    add_subcommands(parser.add_subparsers(dest="command", metavar="COMMAND"), COMMANDS)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
@@ -60,7 +52,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    return int(modules[args.command].run(args))
+    return int(args.run(args))
+
+
+def add_subcommands(sub: Any, commands: Mapping[str, str], *, run_attr: str = "run") -> None:
+    """Add one subparser per ``name -> module``; the module defines ``HELP``,
+    ``add_arguments(parser)`` and ``run(args) -> int`` (stored as ``args.<run_attr>``)."""
+    for name, module_name in commands.items():
+        module = import_module(module_name)
+        command = sub.add_parser(
+            name,
+            help=module.HELP,
+            description=module.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_arguments(command)
+        command.set_defaults(**{run_attr: module.run})
 
 
 if __name__ == "__main__":

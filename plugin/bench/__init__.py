@@ -8,7 +8,6 @@ when the command line is parsed, so they must not import torch at module level.
 from __future__ import annotations
 
 import argparse
-from importlib import import_module
 
 HELP = "benchmarks: megastart against the strategies users have today"
 
@@ -20,17 +19,10 @@ BENCHMARKS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from megastart.cli import add_subcommands
+
     sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
-    for name, module_name in BENCHMARKS.items():
-        module = import_module(module_name)
-        command = sub.add_parser(
-            name,
-            help=module.HELP,
-            description=module.__doc__,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
-        module.add_arguments(command)
-        command.set_defaults(benchmark_run=module.run)
+    add_subcommands(sub, BENCHMARKS, run_attr="benchmark_run")
 
 
 def run(args: argparse.Namespace) -> int:
