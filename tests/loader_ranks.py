@@ -207,3 +207,33 @@ def process_groups_before_and_after_load(
         before = len(distributed_c10d._world.pg_map)
         load_hf_checkpoint(chunks, checkpoint, settings=settings(reader="node"))
         return before, len(distributed_c10d._world.pg_map)
+
+
+def load_counting_received_bytes(checkpoint: str, layout: dict[str, int]) -> tuple[int, int, Any]:
+    """This rank's pipeline stage, the bucket bytes broadcast to it, and the load report.
+
+    Counts the ``uint8`` payloads of ``torch.distributed.broadcast`` calls this
+    rank does not send (the real broadcast still runs).
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megastart import load_hf_checkpoint
+
+    original = dist.broadcast
+    received = [0]
+
+    def counting(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        src = kwargs["src"] if "src" in kwargs else args[0]
+        if src != dist.get_rank() and tensor.dtype == torch.uint8:
+            received[0] += tensor.nbytes
+        return original(tensor, *args, **kwargs)
+
+    with megatron(layout):
+        chunks = build(checkpoint)
+        dist.broadcast = counting
+        try:
+            report = load_hf_checkpoint(chunks, checkpoint, settings=settings())
+        finally:
+            dist.broadcast = original
+        return parallel_state.get_pipeline_model_parallel_rank(), received[0], report

@@ -159,9 +159,13 @@ def test_index_naming_a_missing_shard(pool: RankPool, checkpoint: Path) -> None:
     assert f"names shard(s) ['{shard.name}'] that do not exist" in message
 
 
-def test_reader_io_error_in_the_middle_reaches_every_rank(pool: RankPool, original: Any) -> None:
+@pytest.mark.parametrize("layout", [TP2, {"pp": 2}], ids=["tp2", "pp2"])
+def test_reader_io_error_in_the_middle_reaches_every_rank(
+    pool: RankPool, original: Any, layout: dict[str, int]
+) -> None:
+    """With pp2 the failing bucket is for one stage only; the other stage's rank hears it too."""
     start = time.monotonic()
-    message = same_on_every_rank(pool.run(load_with_failing_reads, str(original[0]), TP2, 5))
+    message = same_on_every_rank(pool.run(load_with_failing_reads, str(original[0]), layout, 5))
     assert time.monotonic() - start < 30
     assert "rank0_loader: streaming" in message
     assert "Input/output error" in message

@@ -11,6 +11,7 @@ import torch
 from loader_ranks import (
     load_and_forward,
     load_as_nodes,
+    load_counting_received_bytes,
     load_parameters,
     process_groups_before_and_after_load,
     reference_logits,
@@ -78,7 +79,10 @@ def test_logits_match_transformers(
     assert report.bytes_read == sum(
         p.stat().st_size for p in Path(directory).glob("*.safetensors")
     ) - _header_bytes(directory)
-    assert report.bytes_broadcast >= report.bytes_read  # every tensor sent once (fp32 in, fp32 out)
+    if parallel.get("tp", 1) > 1:  # every tensor sent once (fp32 in, fp32 out)
+        assert report.bytes_broadcast >= report.bytes_read
+    else:  # pp2: stage 0's tensors stay on the reader, which is stage 0's only rank
+        assert 0 < report.bytes_broadcast < report.bytes_read
 
 
 def test_uneven_pipeline_stages(rank_pools: Any, checkpoints: Any) -> None:
@@ -154,9 +158,26 @@ def test_world_of_eight_dp2_tp2_pp2(checkpoints: Any) -> None:
     assert_logits_match(results, expected)
 
 
-def test_loader_destroys_its_own_process_groups(rank_pools: Any, checkpoints: Any) -> None:
+@pytest.mark.parametrize("layout", ["tp2", "tp2_pp2"])
+def test_loader_destroys_its_own_process_groups(
+    rank_pools: Any, checkpoints: Any, layout: str
+) -> None:
+    world, parallel = LAYOUTS[layout]
     directory, _ = checkpoints("llama", False)
-    for before, after in rank_pools[2].run(
-        process_groups_before_and_after_load, directory, {"tp": 2}
+    for before, after in rank_pools[world].run(
+        process_groups_before_and_after_load, directory, parallel
     ):
         assert after == before
+
+
+def test_each_bucket_is_broadcast_to_the_ranks_of_its_stage_only(
+    rank_pools: Any, checkpoints: Any
+) -> None:
+    directory, _ = checkpoints("llama", False)  # untied: no tensor is needed by both stages
+    results = rank_pools[4].run(load_counting_received_bytes, directory, {"tp": 2, "pp": 2})
+    (_, reader_received, report), *receivers = results
+    received = {stage: got for stage, got, _ in receivers}  # rank 1: stage 0; ranks 2, 3: stage 1
+    assert reader_received == 0
+    assert [got for _, got, _ in receivers] == [received[0], received[1], received[1]]
+    assert received[0] + received[1] == report.bytes_broadcast  # each bucket to one stage
+    assert 0 < received[1] < report.bytes_broadcast and 0 < received[0] < report.bytes_broadcast

@@ -17,6 +17,7 @@ from megastart.loader.plan import (
     Plan,
     PlanError,
     build_plan,
+    receiver_sets,
     resolve_needs,
     unused_tensors,
 )
@@ -221,6 +222,28 @@ def test_row_blocks_load_exactly_what_whole_tensors_load(tp: int) -> None:
         coverage.check([n.param for n in rank_needs])
         for name, tensor in expected.items():
             assert torch.equal(loaded[name], tensor), (rank, name)
+
+
+def test_each_bucket_goes_to_the_reader_and_the_ranks_that_need_it_only() -> None:
+    """Rank 1 shares stage 0 with the reader (TP peers); rank 2 is stage 1."""
+    meta = checkpoint(hf_shapes())
+    stage = [
+        [n for n in meta.tensors if "layers.0." in n or "embed" in n],
+        [
+            n
+            for n in meta.tensors
+            if "layers.1." in n or n in ("model.norm.weight", "lm_head.weight")
+        ],
+    ]
+    demands = [[((n,), "float32") for n in names] for names in (stage[0], stage[0], stage[1])]
+    plan = build_plan(demands, meta, bucket_bytes=FFN * HIDDEN * 4)
+    assert receiver_sets(demands) == [(0, 1), (0, 2)]
+    assert {bucket.ranks for bucket in plan.buckets} == {(0, 1), (0, 2)}
+    for bucket in plan.buckets:
+        for slot in bucket.slots:
+            needed_by = (0, *[r for r in (1, 2) if slot.name in {n for (n,), _ in demands[r]}])
+            assert bucket.ranks == needed_by, slot.name
+    assert max(b.nbytes for b in plan.buckets) <= FFN * HIDDEN * 4
 
 
 def test_mapping_tables_register_through_entry_points(tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ from megastart.loader.plan import (
     PlanError,
     build_plan,
     check_config,
+    receiver_sets,
     resolve_needs,
     unused_tensors,
 )
@@ -43,6 +44,7 @@ from megastart.loader.transport import (
     Prefetcher,
     node_key,
     open_data_groups,
+    open_receiver_groups,
     reader_groups,
     slot_view,
 )
@@ -149,23 +151,38 @@ def _load(
         plan = build_plan(
             [gathered[r][1] for r in group], meta, bucket_bytes=int(settings.bucket_mb * 2**20)
         )
+        every_receiver_set = sorted(
+            {
+                tuple(members[i] for i in ranks)
+                for members in groups
+                for ranks in receiver_sets([gathered[r][1] for r in members])
+                if len(ranks) < len(members)  # the whole reader group has its data group
+            }
+        )
         backend = _backend(settings.transport, {g[2] for g in gathered})
     if unused and rank == 0:
         log.warning("megastart: %s", _unused_message(unused, checkpoint, strict=False))
 
     data_group = open_data_groups(groups, backend=backend, timeout_s=settings.timeout_s)
+    receivers = {tuple(group): data_group}
     try:
+        receivers |= open_receiver_groups(
+            every_receiver_set, backend=backend, timeout_s=settings.timeout_s
+        )
         coverage = Coverage()
         with phase(f"{PLUGIN}: streaming {checkpoint!r}"):
-            channel = Channel(data_group, group[0], device if backend == "nccl" else _cpu())
-            stream = _Stream(plan, needs, tensors, shard, coverage, channel, len(group))
+            channel = Channel(
+                data_group, group[0], device if backend == "nccl" else _cpu(), receivers
+            )
+            stream = _Stream(plan, needs, tensors, shard, coverage, channel, group)
             read, sent = (
                 stream.run_reader(meta, settings) if rank == group[0] else stream.run_receiver()
             )
         with phase(f"{PLUGIN}: verifying"):
             coverage.check(params)
     finally:
-        destroy_group(data_group)
+        for receiver_group in receivers.values():
+            destroy_group(receiver_group)
 
     totals: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(totals, (read, sent), group=control)
@@ -191,14 +208,15 @@ class _Stream:
         shard: Shard,
         coverage: Coverage,
         channel: Channel,
-        group_size: int,
+        group: list[int],
     ) -> None:
         self.plan = plan
         self.tensors = tensors
         self.shard = shard
         self.coverage = coverage
         self.channel = channel
-        self.group_size = group_size
+        self.ranks = [tuple(group[i] for i in bucket.ranks) for bucket in plan.buckets]
+        """Global ranks each bucket is broadcast to (the reader first)."""
         self.consumers: dict[str, list[tuple[Need, int]]] = {}
         """HF tensor name -> this rank's needs that take it, and as which input."""
         for need in needs:
@@ -230,8 +248,8 @@ class _Stream:
                 payload = host[: bucket.nbytes]
                 if on_cuda:
                     payload = staging[: bucket.nbytes].copy_(payload, non_blocking=True)
-                self.channel.send(payload)  # at group size 1 too: one code path, NCCL exercised
-                sent += bucket.nbytes if self.group_size > 1 else 0
+                self.channel.send(payload, self.ranks[index])
+                sent += bucket.nbytes if len(self.ranks[index]) > 1 else 0
                 self._apply(index, payload)
                 if on_cuda:
                     torch.cuda.current_stream().synchronize()  # the host buffer is refilled next
@@ -247,8 +265,10 @@ class _Stream:
         buffer = torch.empty(
             self.plan.max_bucket_bytes, dtype=torch.uint8, device=self.channel.device
         )
-        for index in range(len(self.plan.buckets)):
-            self._apply(index, self.channel.receive(buffer))
+        for index, ranks in enumerate(self.ranks):
+            payload = self.channel.receive(buffer, ranks)
+            if payload is not None:
+                self._apply(index, payload)
         return 0, 0
 
     def _apply(self, index: int, payload: torch.Tensor) -> None:

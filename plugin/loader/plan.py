@@ -76,6 +76,9 @@ class Bucket:
 
     slots: tuple[Slot, ...]
     nbytes: int
+    ranks: tuple[int, ...] = (0,)
+    """Positions in the reader group of the ranks it is broadcast to: the reader (0)
+    and every rank that needs one of its slots."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,38 +180,59 @@ def unused_tensors(
 def build_plan(
     demands_by_rank: Sequence[Sequence[Demand]], meta: CheckpointMeta, *, bucket_bytes: int
 ) -> Plan:
-    """Buckets of at most ``bucket_bytes`` for the given ranks' demands.
+    """Buckets of at most ``bucket_bytes`` for the given ranks' demands (index 0: the reader).
 
-    Tensors travel in their consumers' dtype (in the checkpoint's where consumers
-    disagree), ordered by file and offset, so the reader reads each file front
-    to back, and packed greedily. A tensor larger than a bucket travels as row
-    blocks (dim-0 ranges) in consecutive buckets, so transient memory is set by
-    ``bucket_bytes``, not by the largest tensor (an embedding); only a single
-    row larger than a bucket gets a bucket of its own size. The transforms take
-    one input's row range at a time, so fused inputs (q, k, v) may travel apart.
+    Each bucket holds tensors the same ranks need (:func:`receiver_sets`), so it
+    is broadcast to those ranks only: a pipeline stage's tensors do not cross
+    the links of the other stages' ranks. Tensors travel in their consumers'
+    dtype (in the checkpoint's where consumers disagree), ordered by file and
+    offset, so the reader reads each file front to back, and packed greedily.
+    A tensor larger than a bucket travels as row blocks (dim-0 ranges) in
+    consecutive buckets, so transient memory is set by ``bucket_bytes``, not by
+    the largest tensor (an embedding); only a single row larger than a bucket
+    gets a bucket of its own size. The transforms take one input's row range
+    at a time, so fused inputs (q, k, v) may travel apart.
     """
-    dtypes: dict[str, set[str]] = {}
-    for demands in demands_by_rank:
-        for names, dtype in demands:
-            for name in names:
-                dtypes.setdefault(name, set()).add(dtype)
+    bucket_bytes = max(_ALIGN, bucket_bytes // _ALIGN * _ALIGN)  # aligned slots fill it exactly
+    dtypes, members = _consumers(demands_by_rank)
     buckets: list[Bucket] = []
-    slots: list[Slot] = []
-    offset = 0
+    open_buckets: dict[tuple[int, ...], tuple[list[Slot], int]] = {}
     for entry in sorted((meta.tensors[name] for name in dtypes), key=_file_order):
         wanted = dtypes[entry.name]
         dtype = next(iter(wanted)) if len(wanted) == 1 else entry.dtype
+        ranks = members[entry.name]
         for rows in _row_blocks(entry, ITEMSIZE[dtype], bucket_bytes):
             nbytes = entry.numel // max(rows.total, 1) * (rows.stop - rows.start) * ITEMSIZE[dtype]
+            slots, offset = open_buckets.pop(ranks, ([], 0))
             if slots and offset + nbytes > bucket_bytes:
-                buckets.append(Bucket(tuple(slots), offset))
+                buckets.append(Bucket(tuple(slots), offset, ranks))
                 slots, offset = [], 0
             shape = (rows.stop - rows.start, *entry.shape[1:]) if entry.shape else ()
             slots.append(Slot(entry.name, offset, shape, dtype, nbytes, rows))
-            offset += _aligned(nbytes)
-    if slots:
-        buckets.append(Bucket(tuple(slots), offset))
+            open_buckets[ranks] = slots, offset + _aligned(nbytes)
+    buckets.extend(
+        Bucket(tuple(slots), offset, ranks) for ranks, (slots, offset) in open_buckets.items()
+    )
     return Plan(tuple(buckets))
+
+
+def receiver_sets(demands_by_rank: Sequence[Sequence[Demand]]) -> list[tuple[int, ...]]:
+    """The distinct :attr:`Bucket.ranks` of the plan for these demands, sorted."""
+    return sorted(set(_consumers(demands_by_rank)[1].values()))
+
+
+def _consumers(
+    demands_by_rank: Sequence[Sequence[Demand]],
+) -> tuple[dict[str, set[str]], dict[str, tuple[int, ...]]]:
+    """Per HF tensor: the dtypes its consumers want, and the reader (0) with the ranks that need it."""
+    dtypes: dict[str, set[str]] = {}
+    ranks: dict[str, set[int]] = {}
+    for rank, demands in enumerate(demands_by_rank):
+        for names, dtype in demands:
+            for name in names:
+                dtypes.setdefault(name, set()).add(dtype)
+                ranks.setdefault(name, {0}).add(rank)
+    return dtypes, {name: tuple(sorted(r)) for name, r in ranks.items()}
 
 
 def _row_blocks(entry: TensorEntry, itemsize: int, bucket_bytes: int) -> list[Rows]:

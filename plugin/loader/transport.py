@@ -1,18 +1,22 @@
 """Moving buckets from the reader to the ranks: reader groups, prefetch, broadcast.
 
-**Why broadcast to every rank of the group.** Only some ranks need a given
-tensor (a TP shard, one pipeline stage), so a scatter of per-rank slices looks
-cheaper, but it makes the reader's link carry the model once per
-data-parallel replica and per TP-shard overlap. A ring/tree broadcast carries
-each byte over the reader's link once and reaches every rank in about the time
-one link needs, whatever the group size; ranks that need nothing from a bucket
-merely forward it. The plan only includes tensors some rank of the group needs.
+**Why broadcast, and to whom.** Only some ranks need a given tensor (a TP
+shard, one pipeline stage), so a scatter of per-rank slices looks cheaper, but
+it makes the reader's link carry the model once per data-parallel replica and
+per TP-shard overlap. A ring/tree broadcast carries each byte over the
+reader's link once and reaches every rank in about the time one link needs,
+whatever the group size. Each bucket holds tensors that the same ranks need
+(a pipeline stage's, an expert-parallel rank's) and is broadcast to those
+ranks only, in a process group of their own; where a backend broadcasts from
+the root to each receiver (gloo), that divides the reader's traffic by the
+number of stages. The plan only includes tensors some rank of the group needs.
 
 **Protocol.** Per bucket, the reader broadcasts a two-element header
-``[status, nbytes]`` and then the payload. A reader that fails to read (I/O
-error, file changed under it) sends ``status = 1`` and the error message as
-the payload instead, so every receiver raises that message rather than waiting
-for bytes that never come. Every wait is bounded by the group's timeout.
+``[status, nbytes]`` to the whole reader group and then the payload to the
+bucket's ranks. A reader that fails to read (I/O error, file changed under it)
+sends ``status = 1`` and the error message to the whole group instead, so every
+rank raises that message rather than waiting for bytes that never come. Every
+wait is bounded by the group's timeout.
 
 **Overlap.** A background thread reads bucket *i + 1* into the second of two
 host buffers (pinned when the parameters are on CUDA) while bucket *i* is
@@ -84,51 +88,79 @@ def open_data_groups(
     return mine
 
 
+def open_receiver_groups(
+    receiver_sets: list[tuple[int, ...]], *, backend: str, timeout_s: float
+) -> dict[tuple[int, ...], dist.ProcessGroup]:
+    """A process group per set of global ranks (collective over WORLD); this rank's, by set.
+
+    Every rank passes the same sets in the same order. Sets of one rank need no group.
+    """
+    import torch.distributed as dist
+
+    mine = {}
+    for ranks in receiver_sets:
+        if len(ranks) > 1:
+            group = new_group(ranks, backend=backend, timeout_s=timeout_s)
+            if dist.get_rank() in ranks:
+                mine[ranks] = group
+    return mine
+
+
 @dataclass(slots=True)
 class Channel:
-    """Broadcasts of one reader group, over the loader's own process group."""
+    """Broadcasts of one reader group: headers to all of it, payloads to a bucket's ranks."""
 
     group: dist.ProcessGroup
+    """The loader's process group over the whole reader group: headers and errors."""
     src: int
     """Global rank of the group's reader."""
     device: torch.device
     """Where the collective's buffers live (CUDA for NCCL, CPU for gloo)."""
+    receivers: dict[tuple[int, ...], dist.ProcessGroup]
+    """The process groups this rank is in, by their global ranks (the reader first)."""
 
-    def send(self, payload: torch.Tensor) -> None:
+    def send(self, payload: torch.Tensor, ranks: tuple[int, ...]) -> None:
         self._header(_OK, payload.numel())
-        self._broadcast(payload)
+        if ranks in self.receivers:  # the reader alone in a group of one too: NCCL exercised
+            self._broadcast(payload, self.receivers[ranks])
 
     def send_error(self, message: str) -> None:
         import torch
 
         data = torch.frombuffer(bytearray(message.encode()), dtype=torch.uint8).to(self.device)
         self._header(_FAILED, data.numel())
-        self._broadcast(data)
+        self._broadcast(data, self.group)
 
-    def receive(self, buffer: torch.Tensor) -> torch.Tensor:
-        """The next payload, in ``buffer``; raises :class:`ReaderError` if the reader failed."""
+    def receive(self, buffer: torch.Tensor, ranks: tuple[int, ...]) -> torch.Tensor | None:
+        """The next payload, in ``buffer`` (``None`` if it is not for this rank).
+
+        Raises :class:`ReaderError` if the reader failed: every rank of the group
+        hears every header, so an error reaches the ranks a bucket skips too.
+        """
         import torch
 
         status, nbytes = self._header(_OK, 0)
         if status == _FAILED:
             data = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            self._broadcast(data)
+            self._broadcast(data, self.group)
             raise ReaderError(bytes(data.cpu().numpy()).decode(errors="replace"))
+        if ranks not in self.receivers:
+            return None
         payload = buffer[:nbytes]
-        self._broadcast(payload)
+        self._broadcast(payload, self.receivers[ranks])
         return payload
 
     def _header(self, status: int, nbytes: int) -> tuple[int, int]:
         import torch
 
         header = torch.tensor([status, nbytes], dtype=torch.int64, device=self.device)
-        self._broadcast(header)
+        self._broadcast(header, self.group)
         return int(header[0]), int(header[1])
 
-    def _broadcast(self, tensor: torch.Tensor) -> None:
+    def _broadcast(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
         import torch.distributed as dist
 
-        dist.broadcast(tensor, src=self.src, group=self.group)
+        dist.broadcast(tensor, src=self.src, group=group)
 
 
 class Prefetcher:
