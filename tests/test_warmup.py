@@ -270,7 +270,7 @@ def pools() -> Any:
 
     def pool(world: int) -> RankPool:
         if world not in opened or not opened[world].alive:
-            opened[world] = RankPool(world, timeout_s=120)
+            opened[world] = RankPool(world, timeout_s=300)
         return opened[world]
 
     yield pool

@@ -77,7 +77,7 @@ def run_hooks(when: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def pool() -> Any:
-    with RankPool(2, timeout_s=120) as pool:
+    with RankPool(2, timeout_s=300) as pool:
         yield pool
 
 

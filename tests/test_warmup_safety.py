@@ -80,7 +80,7 @@ def test_weight_update_group_in_the_registry_is_never_touched() -> None:
     worker = context.Process(target=rollout_worker, args=(store.port, results), daemon=True)
     worker.start()
     try:
-        with RankPool(2, timeout_s=120) as pool:
+        with RankPool(2, timeout_s=300) as pool:
             trainer = pool.run(warm_beside_weight_update_group, store.port)
         assert trainer[0]["registered"]
         assert all(FOREIGN not in result["groups"] for result in trainer)
@@ -156,7 +156,7 @@ def _attempt_twice(warmup: Any) -> dict[str, Any]:
 
 
 def test_a_rank_that_never_arrives_makes_the_others_raise_within_timeout() -> None:
-    with RankPool(2, timeout_s=120) as pool:
+    with RankPool(2, timeout_s=300) as pool:
         present, absent = pool.run(warm_unless_rank, 1)
     assert absent == {"absent": True}
     kind, message, seconds, first_id = present["first"]
@@ -169,7 +169,7 @@ def test_a_rank_that_never_arrives_makes_the_others_raise_within_timeout() -> No
 
 
 def test_a_rank_that_raises_makes_every_rank_raise_and_retries_reraise() -> None:
-    with RankPool(2, timeout_s=120) as pool:
+    with RankPool(2, timeout_s=300) as pool:
         results = pool.run(warm_with_refused_config_on, 1)
     for result in results:
         kind, message, seconds, first_id = result["first"]
@@ -181,7 +181,7 @@ def test_a_rank_that_raises_makes_every_rank_raise_and_retries_reraise() -> None
 
 
 def test_ranks_with_different_settings_all_raise_before_any_operation() -> None:
-    with RankPool(2, timeout_s=120) as pool:
+    with RankPool(2, timeout_s=300) as pool:
         results = pool.run(warm_with_own_message_sizes)
     messages = [result["first"][1] for result in results]
     assert messages[0] == messages[1]
