@@ -64,31 +64,31 @@ def test_disabled_megastart_attaches_nothing():
     assert out["attached"] == {} and not out["wrapped"] and out["by_plugin"] == "host"
 
 
-def test_incompatible_version_is_refused_with_the_version():
-    code = """
-        import logging; logging.basicConfig(level=logging.INFO)
-        import megastart.autoload, megatron.core, megastart_toyhost.future as future
-        from megastart.engines import adapters
-        print(adapters()["megastart_toyhost.future"].attached, hasattr(future.Engine.load_weights, "__wrapped__"))
-    """
-    proc = run_python(code)
+REFUSED = """
+    import importlib, logging; logging.basicConfig(level=logging.INFO)
+    import megastart.autoload, megatron.core
+    host = importlib.import_module({module!r})
+    from megastart.engines import adapters
+    print(adapters()[{module!r}].attached, hasattr(host.Engine.load_weights, "__wrapped__"))
+"""
+
+
+def refused(module: str) -> str:
+    """Import the toy host ``module`` after activation; assert nothing was wrapped; its stderr."""
+    proc = run_python(REFUSED.format(module=module))
     assert proc.stdout.split() == ["False", "False"]
+    return proc.stderr
+
+
+def test_incompatible_version_is_refused_with_the_version():
     assert (
         "not attaching to megastart_toyhost.future: requested megastart-toyplugin>=99 "
-        "but found megastart-toyplugin 1.0.0" in proc.stderr
+        "but found megastart-toyplugin 1.0.0" in refused("megastart_toyhost.future")
     )
 
 
 def test_missing_attribute_is_refused_by_name():
-    code = """
-        import logging; logging.basicConfig(level=logging.INFO)
-        import megastart.autoload, megatron.core, megastart_toyhost.renamed as renamed
-        from megastart.engines import adapters
-        print(adapters()["megastart_toyhost.renamed"].attached, hasattr(renamed.Engine.load_weights, "__wrapped__"))
-    """
-    proc = run_python(code)
-    assert proc.stdout.split() == ["False", "False"]
     assert (
         "not attaching to megastart_toyhost.renamed (toyhost 1.0.0): missing "
-        "megastart_toyhost.renamed.Engine.load_hf_weights" in proc.stderr
+        "megastart_toyhost.renamed.Engine.load_hf_weights" in refused("megastart_toyhost.renamed")
     )
