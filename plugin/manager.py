@@ -20,7 +20,7 @@ from typing import Any
 import pluggy
 
 from megastart import hookspec
-from megastart.settings import _CORE_ENV, Settings, resolve, to_plain_mapping
+from megastart.settings import _CORE_ENV, Settings, SettingsError, resolve, to_plain_mapping
 
 PLUGIN_GROUP = "megastart"
 ENGINE_GROUP = "megastart.engines"
@@ -149,9 +149,11 @@ def _core_settings(config: Any) -> Settings:
 def _engine_sections() -> dict[str, type]:
     """Settings sections that engine adapters declare, named after their host.
 
-    Loading an adapter class imports megastart's adapter module, never the host.
+    Adapters of one host (verl's engine and legacy-worker adapters) share its
+    section, so they must declare the same class. Loading an adapter class imports
+    megastart's adapter module, never the host.
     """
-    sections = {}
+    sections: dict[str, type] = {}
     for ep in engine_entry_points():
         try:
             adapter_class = ep.load()
@@ -159,7 +161,14 @@ def _engine_sections() -> dict[str, type]:
             log.warning("megastart: engine adapter for %s could not be imported: %s", ep.name, e)
             continue
         if hasattr(adapter_class, "megastart_settings"):
-            sections[adapter_class.host] = adapter_class.megastart_settings
+            declared = sections.setdefault(adapter_class.host, adapter_class.megastart_settings)
+            if declared is not adapter_class.megastart_settings:
+                raise SettingsError(
+                    f"engine adapters of host {adapter_class.host!r} declare different settings "
+                    f"sections ({declared.__qualname__} and "
+                    f"{adapter_class.megastart_settings.__qualname__}, the latter from {ep.value}); "
+                    "adapters of one host share one section: declare the same class"
+                )
     return sections
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from textwrap import dedent
 
+import pytest
 from pyrun import run_python
 
 DISPATCH = dedent("""
@@ -132,3 +133,59 @@ def test_import_megastart_imports_neither_torch_nor_entry_points():
         and "megastart.manager" not in loaded
         and "megastart_toyplugin" not in loaded
     )
+
+
+class FirstHostSettings:
+    pass
+
+
+class SecondHostSettings:
+    pass
+
+
+class FirstHostAdapter:
+    host = "twoadapters"
+    megastart_settings = FirstHostSettings
+
+
+class SecondHostAdapter:
+    host = "twoadapters"
+    megastart_settings = FirstHostSettings
+
+
+class ConflictingHostAdapter:
+    host = "twoadapters"
+    megastart_settings = SecondHostSettings
+
+
+def engine_points(*classes: str) -> list:
+    from importlib import metadata
+
+    return [
+        metadata.EntryPoint(name=f"host.m{i}", value=f"test_plugin_manager:{name}", group="g")
+        for i, name in enumerate(classes)
+    ]
+
+
+def test_adapters_of_one_host_share_its_settings_section(monkeypatch):
+    from megastart import manager
+
+    monkeypatch.setattr(
+        manager,
+        "engine_entry_points",
+        lambda: engine_points("FirstHostAdapter", "SecondHostAdapter"),
+    )
+    assert manager._engine_sections() == {"twoadapters": FirstHostSettings}
+
+
+def test_adapters_of_one_host_with_different_sections_are_an_error(monkeypatch):
+    from megastart import manager
+    from megastart.settings import SettingsError
+
+    monkeypatch.setattr(
+        manager,
+        "engine_entry_points",
+        lambda: engine_points("FirstHostAdapter", "ConflictingHostAdapter"),
+    )
+    with pytest.raises(SettingsError, match=r"host 'twoadapters' declare different settings"):
+        manager._engine_sections()
