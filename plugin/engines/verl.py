@@ -1,7 +1,10 @@
-"""The verl adapter: megastart's hooks in verl's Megatron engine (verl 0.8 and later).
+"""The verl adapter: megastart's hooks in verl's Megatron engine (verl 0.7 to 0.9).
 
 Attaches to ``verl.workers.engine.megatron.transformer_impl.MegatronEngine``,
-the engine behind every Megatron actor, reference and critic worker:
+the engine behind every Megatron actor, reference and critic worker of verl 0.8
+and later, and behind verl 0.7's actor and reference workers when a run sets
+``trainer.use_legacy_worker_impl=disable`` (verl 0.7's default workers are the
+legacy ones: see :mod:`megastart.engines.verl_legacy`):
 
 - ``on_model_load``: the HF weight load inside ``_build_megatron_module``;
 - ``post_recover_load``: right after ``load_checkpoint`` (resume);
@@ -31,29 +34,36 @@ HF weights, and are left alone.
 
 A critic's model is loaded by verl itself: its value head is not in the HF
 checkpoint, and ``on_model_load`` promises every parameter filled, so the hook
-is not called for it (one line on rank 0 says so). ``post_recover_load`` and
+is not called for it (one line on rank 0 says so). Which engine holds a value
+model is verl's own decision, ``engine.is_value_model``, which every verl from
+0.7 to 0.9 sets before it loads (0.7 from the architecture's name, later
+versions from ``model_type``). ``post_recover_load`` and
 ``pre_first_step`` run for critics as for actors.
 """
 
 from __future__ import annotations
 
-import inspect
-import logging
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any, ClassVar
 
 import wrapt
 
 from megastart.engines.base import EngineAdapter
-from megastart.manager import call_hook, get_settings
+from megastart.engines.verl_common import (
+    BRIDGE_LOADERS,
+    VALUE_MODEL_NOT_HOOKED,
+    argument,
+    first_step_of_process,
+    log_rank0,
+    restore_log_level,
+    shadowed,
+    show_summaries,
+    unwrap_exactly,
+    verl_context,
+)
+from megastart.manager import call_hook
 from megastart.records import EngineContext
-
-log = logging.getLogger("megastart")
-
-BRIDGE_LOADERS = {True: "load_weights", False: "load_hf_weights"}
-"""``engine.vanilla_bridge`` -> the bridge method ``_build_megatron_module`` loads HF weights with."""
 
 
 class VerlAdapter(EngineAdapter):
@@ -61,16 +71,12 @@ class VerlAdapter(EngineAdapter):
 
     host: ClassVar[str] = "verl"
     module: ClassVar[str] = "verl.workers.engine.megatron.transformer_impl"
-    requirement: ClassVar[str] = "verl>=0.8,<0.10"
+    requirement: ClassVar[str] = "verl>=0.7,<0.10"
     wraps: ClassVar[dict[str, tuple[str, ...]]] = {
         "MegatronEngine._build_megatron_module": (),
         "MegatronEngine.load_checkpoint": ("local_path",),
         "MegatronEngine.forward_backward_batch": (),
     }
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._first_step_seen = False
 
     def _attach(self, module: ModuleType) -> None:
         engine = module.MegatronEngine
@@ -83,17 +89,14 @@ class VerlAdapter(EngineAdapter):
         self._step = wrapt.wrap_function_wrapper(
             engine, "forward_backward_batch", self._before_first_step
         )
-        # `import verl` sets the root logger to WARNING; the rank-0 summary lines
-        # of megastart's hooks are INFO. A level the user set is kept.
-        self._log_level = log.level
-        log.setLevel(log.level or logging.INFO)
+        show_summaries()
 
     def _detach(self, module: ModuleType) -> None:
         engine = module.MegatronEngine
-        _unwrap(engine, "_build_megatron_module", self._build)
-        _unwrap(engine, "load_checkpoint", self._load)
-        _unwrap(engine, "forward_backward_batch", self._step)
-        log.setLevel(self._log_level)
+        unwrap_exactly(engine, "_build_megatron_module", self._build)
+        unwrap_exactly(engine, "load_checkpoint", self._load)
+        unwrap_exactly(engine, "forward_backward_batch", self._step)
+        restore_log_level()
 
     # -- wrappers ------------------------------------------------------------
 
@@ -102,21 +105,17 @@ class VerlAdapter(EngineAdapter):
     ) -> Any:
         if engine.engine_config.use_dist_checkpointing:
             return wrapped(*args, **kwargs)
-        if _is_value_model(engine):
-            _log_rank0(
-                "megastart: on_model_load is not called for verl's value model (critic): its "
-                "value head is not in the HF checkpoint, and the hook must fill every parameter; "
-                "verl's own loader runs"
-            )
-            return wrapped(*args, **kwargs)
         loader = BRIDGE_LOADERS[bool(engine.vanilla_bridge)]
-        with _shadowed(engine.bridge, loader, self._bridge_loader(engine)):
+        with shadowed(engine.bridge, loader, self._bridge_loader(engine)):
             return wrapped(*args, **kwargs)
 
     def _bridge_loader(self, engine: Any) -> Callable[..., Any]:
         def load(wrapped: Callable[..., Any], _bridge: Any, args: Any, kwargs: Any) -> Any:
-            model = _argument(wrapped, args, kwargs, 0)
-            path = _argument(wrapped, args, kwargs, 1) or engine.model_config.local_path
+            if engine.is_value_model:  # set by verl before it loads (0.7 to 0.9)
+                log_rank0(VALUE_MODEL_NOT_HOOKED)
+                return wrapped(*args, **kwargs)
+            model = argument(wrapped, args, kwargs, 0)
+            path = argument(wrapped, args, kwargs, 1) or engine.model_config.local_path
             context = self._context(engine, model)
             if call_hook("on_model_load", engine=context, checkpoint=str(path)) is None:
                 return wrapped(*args, **kwargs)
@@ -128,7 +127,7 @@ class VerlAdapter(EngineAdapter):
         self, wrapped: Callable[..., Any], engine: Any, args: Any, kwargs: Any
     ) -> Any:
         result = wrapped(*args, **kwargs)
-        checkpoint = _argument(wrapped, args, kwargs, 0)
+        checkpoint = argument(wrapped, args, kwargs, 0)
         call_hook(
             "post_recover_load",
             engine=self._context(engine, is_restart=True),
@@ -139,96 +138,20 @@ class VerlAdapter(EngineAdapter):
     def _before_first_step(
         self, wrapped: Callable[..., Any], engine: Any, args: Any, kwargs: Any
     ) -> Any:
-        if not self._first_step_seen:
-            self._first_step_seen = True
+        if first_step_of_process():
             call_hook("pre_first_step", engine=self._context(engine))
         return wrapped(*args, **kwargs)
 
     # -- the host-agnostic view ----------------------------------------------
 
     def _context(
-        self,
-        engine: Any,
-        model: Any = None,
-        *,
-        is_restart: bool = False,
+        self, engine: Any, model: Any = None, *, is_restart: bool = False
     ) -> EngineContext:
-        from megatron.core import parallel_state
-        from verl.utils.megatron_utils import unwrap_model
-
-        chunks = unwrap_model(list(engine.module if model is None else model))
-        return EngineContext(
-            host=self.host,
-            host_version=str(self.compatibility().installed_version),
-            model_chunks=tuple(chunks),
-            parallel_state=parallel_state,
-            device=_training_device(),
+        return verl_context(
+            self,
+            engine.module if model is None else model,
             dtype=engine.param_dtype,
             hf_config=engine.model_config.hf_config,
             is_restart=is_restart,
-            settings=get_settings(),
-            extra={
-                "verl_engine": engine,
-                "value_model": _is_value_model(engine),
-            },
+            extra={"verl_engine": engine, "value_model": bool(engine.is_value_model)},
         )
-
-
-def _is_value_model(engine: Any) -> bool:
-    """verl's own test; verl 0.8 sets ``engine.is_value_model`` only inside ``_build_megatron_module``."""
-    return bool(engine.model_config.model_type == "value_model")
-
-
-def _log_rank0(message: str) -> None:
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        log.info(message)
-
-
-def _training_device() -> Any:
-    """The device the engine trains on, even while verl has offloaded the parameters."""
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _argument(function: Callable[..., Any], args: Any, kwargs: Any, position: int) -> Any:
-    """The value of ``function``'s parameter at ``position``, passed by position or by name."""
-    if len(args) > position:
-        return args[position]
-    name = list(inspect.signature(function).parameters)[position]
-    return kwargs.get(name)
-
-
-@contextmanager
-def _shadowed(obj: Any, name: str, wrapper: Callable[..., Any]) -> Iterator[None]:
-    """Wrap ``obj.name`` on this instance only, until the block ends."""
-    had_own = name in vars(obj)
-    original = getattr(obj, name)
-    setattr(obj, name, wrapt.FunctionWrapper(original, wrapper))
-    try:
-        yield
-    finally:
-        if had_own:
-            setattr(obj, name, original)
-        else:
-            delattr(obj, name)
-
-
-def _unwrap(owner: type, name: str, wrapper: Any) -> None:
-    """Put back the function ``wrapper`` replaced; refuse if someone replaced it since.
-
-    Already restored is fine, so ``detach`` can be retried after such a refusal.
-    """
-    current = vars(owner).get(name)
-    if current is wrapper.__wrapped__:
-        return
-    if current is not wrapper:
-        raise RuntimeError(
-            f"megastart: cannot restore {owner.__qualname__}.{name}: it was replaced after "
-            "megastart wrapped it; detach the later wrapper first"
-        )
-    setattr(owner, name, wrapper.__wrapped__)

@@ -20,6 +20,7 @@ The ``*_on_rank`` functions are what the tests run on every rank.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +69,10 @@ def use_local_spec_in_mbridge() -> None:
 def build_engine(checkpoint: str, *, forward_only: bool, value_model: bool = False) -> Any:
     """verl's Megatron engine for ``checkpoint`` (mbridge, bf16), not yet initialised:
     the LM-head engine (actor, reference) or the value-head one (critic)."""
+    from importlib import metadata
+
     import torch
+    from packaging.version import Version
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
     from verl.workers.engine.megatron import transformer_impl
@@ -80,8 +84,13 @@ def build_engine(checkpoint: str, *, forward_only: bool, value_model: bool = Fal
         if value_model
         else (transformer_impl.MegatronEngineWithLMHead, "language_model")
     )
+    # verl 0.7's HFModelConfig has no model_type: its engine tells value models by
+    # their architecture's name, and 0.7 builds no Megatron critic on the engine.
+    typed = (
+        {"model_type": model_type} if Version(metadata.version("verl")) >= Version("0.8") else {}
+    )
     return engine_class(
-        HFModelConfig(path=checkpoint, load_tokenizer=False, model_type=model_type),
+        HFModelConfig(path=checkpoint, load_tokenizer=False, **typed),
         McoreEngineConfig(
             tensor_model_parallel_size=TP,
             vanilla_mbridge=True,
@@ -253,9 +262,17 @@ def first_steps_on_rank(checkpoint: str, **env: str) -> dict[str, Any]:
         destroy_megatron()
 
 
-def loaders_on_rank(checkpoint: str) -> dict[str, Any]:
-    """The weights megastart's rank0_loader writes and those verl's own loader writes,
-    and the rank-0 summary lines of the hook calls."""
+def engine_weights(checkpoint: str, **env: str) -> dict[str, Any]:
+    """The weights of a forward-only engine after verl's ``initialize``."""
+    return parameters(initialized_engine(checkpoint, **env))
+
+
+def loaders_on_rank(
+    checkpoint: str, weights: Callable[..., dict[str, Any]] = engine_weights
+) -> dict[str, Any]:
+    """The weights megastart's rank0_loader writes and those verl's own loader writes
+    (each as ``weights(checkpoint, **env)`` builds and loads them), and the rank-0
+    summary lines of the hook calls."""
     import logging
 
     from megastart.demo.cpu import destroy_megatron
@@ -272,14 +289,53 @@ def loaders_on_rank(checkpoint: str) -> dict[str, Any]:
             "verl": "rank0_loader,comm_warmup,verl_probe",
         }.items():
             try:
-                loaded[loader] = parameters(
-                    initialized_engine(checkpoint, MEGASTART_BLOCKLIST=blocklist)
-                )
+                loaded[loader] = weights(checkpoint, MEGASTART_BLOCKLIST=blocklist)
             finally:
                 destroy_megatron()
     finally:
         logger.removeHandler(handler)
     return {"params": loaded, "log": lines}
+
+
+# -- checked in the test process ----------------------------------------------------
+
+
+def hf_shard(checkpoint: str, name: str, tp_rank: int) -> Any:
+    """This TP rank's rows of an HF tensor, as bf16 parameters hold them."""
+    import torch
+    from safetensors.torch import load_file
+
+    full = load_file(f"{checkpoint}/model.safetensors")[name].to(torch.bfloat16).float()
+    return full.chunk(TP)[tp_rank]
+
+
+def check_loaded_from_hf(out: dict[str, Any], checkpoint: str) -> None:
+    """A rank's embedding and output layer hold its rows of the checkpoint's."""
+    import torch
+
+    params, tp_rank = out["params"], out["tp_rank"]
+    embedding = hf_shard(checkpoint, "model.embed_tokens.weight", tp_rank)
+    lm_head = hf_shard(checkpoint, "lm_head.weight", tp_rank)
+    assert torch.equal(params["embedding.word_embeddings.weight"], embedding)
+    assert torch.equal(params["output_layer.weight"], lm_head)
+
+
+def check_same_weights_one_reader(ranks: list[dict[str, Any]]) -> None:
+    """:func:`loaders_on_rank` on every rank: only rank 0 read, and both loaders
+    wrote the same weights."""
+    import torch
+
+    (summary,) = [
+        line
+        for line in ranks[0]["log"]
+        if line.startswith("megastart: on_model_load rank0_loader:")
+    ]
+    assert "read by rank(s) [0]" in summary
+    for out in ranks:
+        ours, verls = out["params"]["rank0_loader"], out["params"]["verl"]
+        assert ours.keys() == verls.keys()
+        for name in ours:
+            assert torch.equal(ours[name], verls[name]), name
 
 
 def recover_on_rank(checkpoint: str, recover_dir: str, **env: str) -> dict[str, Any]:

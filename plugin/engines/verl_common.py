@@ -1,0 +1,153 @@
+"""What verl's two adapters share: the engine adapter (verl 0.7 to 0.9) and the
+legacy-worker adapter (verl 0.7).
+
+Both can be attached in one process: verl 0.7 with
+``trainer.use_legacy_worker_impl=disable`` trains the actor on the engine and a
+Megatron critic in the legacy ``CriticWorker``, colocated in one Ray actor. So
+what is per process is kept here, once for both: ``pre_first_step`` runs before
+the first step of either, and the log level they raise is put back when the last
+of them detaches.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import wrapt
+
+from megastart.engines.base import EngineAdapter
+from megastart.manager import get_settings
+from megastart.records import EngineContext
+
+log = logging.getLogger("megastart")
+
+BRIDGE_LOADERS = {True: "load_weights", False: "load_hf_weights"}
+"""``vanilla_bridge`` -> the bridge method verl loads HF weights with (mbridge's
+``load_weights``, Megatron-Bridge's ``load_hf_weights``)."""
+
+VALUE_MODEL_NOT_HOOKED = (
+    "megastart: on_model_load is not called for verl's value model (critic): its value head "
+    "is not in the HF checkpoint, and the hook must fill every parameter; verl's own loader runs"
+)
+
+_lock = threading.Lock()
+_first_step_seen = False
+_log_level_holders = 0
+_saved_log_level = logging.NOTSET
+
+
+def first_step_of_process() -> bool:
+    """True exactly once per process: at the first training step of any verl adapter."""
+    global _first_step_seen
+    with _lock:
+        first, _first_step_seen = not _first_step_seen, True
+    return first
+
+
+def show_summaries() -> None:
+    """Let megastart's rank-0 INFO summaries through while a verl adapter is attached.
+
+    ``import verl`` sets the root logger to WARNING; a level the user set is kept.
+    """
+    global _log_level_holders, _saved_log_level
+    with _lock:
+        if _log_level_holders == 0:
+            _saved_log_level = log.level
+            log.setLevel(log.level or logging.INFO)
+        _log_level_holders += 1
+
+
+def restore_log_level() -> None:
+    """The pair of :func:`show_summaries`: the last adapter to detach restores the level."""
+    global _log_level_holders
+    with _lock:
+        _log_level_holders -= 1
+        if _log_level_holders == 0:
+            log.setLevel(_saved_log_level)
+
+
+def verl_context(
+    adapter: EngineAdapter,
+    model: Any,
+    *,
+    dtype: Any,
+    hf_config: Any,
+    is_restart: bool = False,
+    extra: dict[str, Any],
+) -> EngineContext:
+    """The host-agnostic view of one verl model (a list of DDP/Float16 chunks)."""
+    from megatron.core import parallel_state
+    from verl.utils.megatron_utils import unwrap_model
+
+    return EngineContext(
+        host=adapter.host,
+        host_version=str(adapter.compatibility().installed_version),
+        model_chunks=tuple(unwrap_model(list(model))),
+        parallel_state=parallel_state,
+        device=training_device(),
+        dtype=dtype,
+        hf_config=hf_config,
+        is_restart=is_restart,
+        settings=get_settings(),
+        extra=extra,
+    )
+
+
+def log_rank0(message: str) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        log.info(message)
+
+
+def training_device() -> Any:
+    """The device verl trains on, even while it has offloaded the parameters."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def argument(function: Callable[..., Any], args: Any, kwargs: Any, position: int) -> Any:
+    """The value of ``function``'s parameter at ``position``, passed by position or by name."""
+    if len(args) > position:
+        return args[position]
+    name = list(inspect.signature(function).parameters)[position]
+    return kwargs.get(name)
+
+
+@contextmanager
+def shadowed(obj: Any, name: str, wrapper: Callable[..., Any]) -> Iterator[None]:
+    """Wrap ``obj.name`` on this object only (an instance or a module), until the block ends."""
+    had_own = name in vars(obj)
+    original = getattr(obj, name)
+    setattr(obj, name, wrapt.FunctionWrapper(original, wrapper))
+    try:
+        yield
+    finally:
+        if had_own:
+            setattr(obj, name, original)
+        else:
+            delattr(obj, name)
+
+
+def unwrap_exactly(owner: type, name: str, wrapper: Any) -> None:
+    """Put back the function ``wrapper`` replaced; refuse if someone replaced it since.
+
+    Already restored is fine, so ``detach`` can be retried after such a refusal.
+    """
+    current = vars(owner).get(name)
+    if current is wrapper.__wrapped__:
+        return
+    if current is not wrapper:
+        raise RuntimeError(
+            f"megastart: cannot restore {owner.__qualname__}.{name}: it was replaced after "
+            "megastart wrapped it; detach the later wrapper first"
+        )
+    setattr(owner, name, wrapper.__wrapped__)
