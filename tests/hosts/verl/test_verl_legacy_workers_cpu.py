@@ -1,0 +1,125 @@
+"""verl 0.7's own legacy Megatron workers, with the adapter attached through the real
+activation (``VERL_USE_EXTERNAL_MODULES=megastart.autoload``), on CPU over gloo at
+TP=2: ``on_model_load`` dispatches from inside ``_build_model_optimizer`` in both of
+its HF branches (verl's legacy ``load_megatron_gptmodel_weights`` and mbridge), a
+``LoadReport`` skips verl's loader, ``None`` falls through to it, and
+``pre_first_step`` runs once before the worker's first step."""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+import pytest
+import torch
+import verl_cpu
+import verl_legacy_cpu
+
+from megastart.launch import RankPool
+
+pytest.importorskip("verl.workers.megatron_workers", reason="needs verl 0.7 (legacy workers)")
+
+PROBE_ONLY = {"MEGASTART_BLOCKLIST": "rank0_loader,comm_warmup"}
+LOADERS = {"load_megatron_gptmodel_weights": False, "mbridge": True}
+"""verl's two HF branches in the legacy workers -> ``use_mbridge``."""
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("qwen2")
+    verl_legacy_cpu.save_tiny_qwen2_with_tokenizer(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RankPool(
+        verl_legacy_cpu.TP, timeout_s=400, env={"VERL_USE_EXTERNAL_MODULES": "megastart.autoload"}
+    ) as pool:
+        yield pool
+
+
+@pytest.mark.parametrize("use_mbridge", LOADERS.values(), ids=LOADERS.keys())
+def test_a_load_report_skips_verls_own_loader(pool, checkpoint, use_mbridge):
+    from megastart_verl_probe import FILL
+
+    ranks = pool.run(
+        verl_legacy_cpu.load_on_rank,
+        checkpoint,
+        use_mbridge=use_mbridge,
+        MEGASTART_VERL_PROBE_MODE="handle",
+        **PROBE_ONLY,
+    )
+    for out in ranks:
+        assert out["attached"]["verl.workers.megatron_workers"] is True
+        (call,) = out["calls"]
+        call.pop("first_param_sum")
+        assert call == {
+            "hook": "on_model_load",
+            "checkpoint": checkpoint,
+            "host": "verl",
+            "host_version": metadata.version("verl"),
+            "chunk_types": ["GPTModel"],
+            "parallel_state": "megatron.core.parallel_state",
+            "tp": 2,
+            "device": "cpu",
+            "dtype": "torch.bfloat16",
+            "hf_model_type": "qwen2",
+            "is_restart": False,
+            "mode": "handle",
+            "value_model": False,
+            "engine_class": "ActorRolloutRefWorker",
+        }
+        for name, value in out["params"].items():
+            assert torch.all(value == FILL), name  # verl's loader never ran
+
+
+@pytest.mark.parametrize("use_mbridge", LOADERS.values(), ids=LOADERS.keys())
+def test_none_falls_through_to_verls_own_loader(pool, checkpoint, use_mbridge):
+    ranks = pool.run(
+        verl_legacy_cpu.load_on_rank,
+        checkpoint,
+        use_mbridge=use_mbridge,
+        MEGASTART_VERL_PROBE_MODE="pass",
+        **PROBE_ONLY,
+    )
+    for out in ranks:
+        assert [call["hook"] for call in out["calls"]] == ["on_model_load"]
+        verl_cpu.check_loaded_from_hf(out, checkpoint)
+
+
+def test_megastarts_rank0_loader_loads_what_verls_legacy_loader_loads(pool, checkpoint):
+    ranks = pool.run(verl_cpu.loaders_on_rank, checkpoint, verl_legacy_cpu.reference_weights)
+    verl_cpu.check_same_weights_one_reader(ranks)
+
+
+def test_pre_first_step_runs_once_before_the_workers_first_step(pool, checkpoint):
+    ranks = pool.run(verl_legacy_cpu.first_steps_on_rank, checkpoint, **PROBE_ONLY)
+    for out in ranks:
+        assert [call["hook"] for call in out["calls"]] == ["on_model_load", "pre_first_step"]
+        assert out["calls"][1]["is_restart"] is False
+        # How far verl's step gets on CPU: through the worker's compute_ref_log_prob and
+        # MegatronPPOActor's compute_log_prob and forward_backward_batch into Megatron's
+        # schedule, which allocates on "cuda". Both calls get there; the hook ran only
+        # before the first.
+        assert len(out["stops"]) == 2
+        for stop in out["stops"]:
+            steps = [
+                name
+                for name in stop["verl_functions"]
+                if name in ("compute_ref_log_prob", "compute_log_prob", "forward_backward_batch")
+            ]
+            assert steps == ["compute_ref_log_prob", "compute_log_prob", "forward_backward_batch"]
+            assert stop["innermost"][0].endswith("torch/cuda/__init__.py"), stop
+            assert stop["torch_called_from"][1] == "forward_backward_no_pipelining", stop
+
+
+def test_an_actor_worker_loads_through_the_hook_then_stops_in_megatrons_optimizer(pool, checkpoint):
+    ranks = pool.run(
+        verl_legacy_cpu.actor_on_rank, checkpoint, MEGASTART_VERL_PROBE_MODE="handle", **PROBE_ONLY
+    )
+    for out in ranks:
+        assert [call["hook"] for call in out["calls"]] == ["on_model_load"]
+        assert out["calls"][0]["engine_class"] == "ActorRolloutRefWorker"
+        # the actor's build goes on to its optimizer, which allocates on "cuda"
+        assert "get_megatron_optimizer" in out["stop"]["verl_functions"], out["stop"]
+        assert out["stop"]["innermost"][0].endswith("torch/cuda/__init__.py"), out["stop"]
