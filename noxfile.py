@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import nox
 
-nox.options.sessions = ["lint", "tests", "verl", "areal"]
+nox.options.sessions = ["lint", "tests", "verl", "verl07", "areal"]
 nox.options.reuse_existing_virtualenvs = True
 
 PYTHON = "3.11"
@@ -55,6 +55,32 @@ def verl(session: nox.Session) -> None:
     session.install(VERL, MEGATRON, "uvicorn", "fastapi", "mbridge", "einops")
     session.install(".[test,hydra]", "tests/fixtures/verl_probe")
     session.run("pytest", *(session.posargs or ["tests/hosts/verl", "-x", "-q"]))
+
+
+VERL07 = "verl==0.7.1"
+VERL07_NEEDS = (
+    # verl 0.7's verl/utils/model.py imports AutoModelForVision2Seq, gone in
+    # transformers 5; verl 0.7 pins numpy<2, which pyarrow 21+ refuses.
+    *("transformers<5", "pyarrow<21"),
+)
+VERL07_TESTS = (
+    "tests/hosts/verl/test_verl_legacy_adapter.py",
+    "tests/hosts/verl/test_verl_legacy_workers_cpu.py",
+    # the engine adapter on verl 0.7's engine (trainer.use_legacy_worker_impl=disable);
+    # the config and Ray tests compose 0.8+'s `model_engine=megatron`, which 0.7 lacks
+    "tests/hosts/verl/test_verl_adapter.py",
+    "tests/hosts/verl/test_verl_engine_cpu.py",
+)
+
+
+@nox.session(python=PYTHON)
+def verl07(session: nox.Session) -> None:
+    """Both verl adapters against the real verl 0.7.1 (CPU, gloo): the legacy
+    Megatron workers and verl 0.7's engine. Installed like the ``verl`` session."""
+    session.install(TORCH)
+    session.install(VERL07, MEGATRON, "uvicorn", "fastapi", "mbridge", "einops", *VERL07_NEEDS)
+    session.install(".[test,hydra]", "tests/fixtures/verl_probe", *VERL07_NEEDS)
+    session.run("pytest", *(session.posargs or [*VERL07_TESTS, "-x", "-q"]))
 
 
 AREAL = "areal==1.0.4"
