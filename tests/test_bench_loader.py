@@ -1,5 +1,6 @@
 """``megastart bench loader`` at a tiny size: the report has every figure, and every
-strategy loaded exactly megastart's weights (speed is reported, never asserted)."""
+strategy loaded exactly megastart's weights, with the page cache dropped before
+every load and with it warm (speed is reported, never asserted)."""
 
 from __future__ import annotations
 
@@ -34,8 +35,22 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
     return json.loads((out / "bench.json").read_text()), capture.read_text()
 
 
-def test_json_has_every_figure_for_every_strategy(bench: tuple[dict, str]) -> None:
-    results, _ = bench
+def runs(results: dict) -> list[dict]:
+    """The cold run (the JSON's top level) and the warm one (its ``warm`` key)."""
+    return [results, results["warm"]]
+
+
+def test_the_default_measures_cold_then_warm(bench: tuple[dict, str]) -> None:
+    results, table = bench
+    assert [run["page_cache"] for run in runs(results)] == ["cold", "warm"]
+    assert table.index("page cache cold") < table.index("page cache warm")
+    cold, warm = (run["strategies"]["megastart"]["checksums"] for run in runs(results))
+    assert cold == warm
+
+
+@pytest.mark.parametrize("condition", [0, 1], ids=["cold", "warm"])
+def test_json_has_every_figure_for_every_strategy(bench: tuple[dict, str], condition: int) -> None:
+    results = runs(bench[0])[condition]
     assert results["checkpoint_bytes"] > 0
     assert set(results["strategies"]) == set(STRATEGIES)
     for name, figures in results["strategies"].items():
@@ -46,8 +61,11 @@ def test_json_has_every_figure_for_every_strategy(bench: tuple[dict, str]) -> No
     assert results["limits"]["broadcast_gbps"] > 0
 
 
-def test_every_strategy_loads_megastarts_weights_on_every_rank(bench: tuple[dict, str]) -> None:
-    results, table = bench
+@pytest.mark.parametrize("condition", [0, 1], ids=["cold", "warm"])
+def test_every_strategy_loads_megastarts_weights_on_every_rank(
+    bench: tuple[dict, str], condition: int
+) -> None:
+    results, table = runs(bench[0])[condition], bench[1]
     reference = results["strategies"]["megastart"]["checksums"]
     assert len(reference) == 4 and len(set(reference)) == 4  # four different shards
     for name, figures in results["strategies"].items():
@@ -72,8 +90,11 @@ def test_load_changed_the_randomly_initialised_weights(bench: tuple[dict, str]) 
     )
 
 
-def test_bytes_read_follow_each_strategys_io_pattern(bench: tuple[dict, str]) -> None:
-    results, _ = bench
+@pytest.mark.parametrize("condition", [0, 1], ids=["cold", "warm"])
+def test_bytes_read_follow_each_strategys_io_pattern(
+    bench: tuple[dict, str], condition: int
+) -> None:
+    results = runs(bench[0])[condition]
     size = results["checkpoint_bytes"]
     read = {name: figures["bytes_read"] for name, figures in results["strategies"].items()}
     # megastart reads each tensor once: the checkpoint minus the safetensors headers.

@@ -13,6 +13,12 @@ sampled every 20 ms), transient memory (peak minus the steady state after the
 load), and bytes read from the checkpoint files. Also the physical limits of
 this machine: one reader's read throughput and gloo's broadcast throughput.
 Every strategy's weights are checked against megastart's (a checksum per rank).
+
+Each strategy runs twice over, by default: with the checkpoint dropped from the
+page cache before every load (``cold``: how a job start meets a checkpoint it
+has not read yet, so the storage is on the critical path of every strategy),
+and with it cached (``warm``: a restart on the same node, where reading costs a
+memory copy).
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ import os
 import platform
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +50,11 @@ TARGETS = {
 }
 
 BROADCAST_PROBE_BYTES = 256 * 2**20
+
+PAGE_CACHE = {
+    "cold": "dropped before every load and every read of the limits (POSIX_FADV_DONTNEED)",
+    "warm": "the files read once before anything is measured, so they are cached throughout",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,6 +91,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="timed loads per strategy, after the one that measures memory; the fastest is reported",
+    )
+    parser.add_argument(
+        "--page-cache",
+        choices=("cold", "warm", "both"),
+        default="both",
+        help="cold: drop the checkpoint from the page cache before every load (a job start); "
+        "warm: keep it cached (a restart on the same node); both (default): cold, then warm. "
+        "The JSON's top level is the first; with both, its 'warm' key holds the second",
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the results to FILE")
     parser.add_argument(
@@ -149,28 +170,43 @@ def run(args: argparse.Namespace) -> int:
     chosen = _chosen_strategies(args.strategies)
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
+    conditions = ("cold", "warm") if args.page_cache == "both" else (args.page_cache,)
     with tempfile.TemporaryDirectory(prefix="megastart-bench-") as tmp:
         workdir = args.workdir or Path(tmp)
         checkpoint = args.checkpoint or _make_checkpoint(args.arch, args.size_gb, workdir)
-        results = measure(
-            checkpoint,
-            layout,
-            chosen,
-            bucket_mb=args.bucket_mb,
-            repeats=args.repeats,
-            sample_s=args.sample_ms / 1e3,
-            timeout_s=args.timeout_s,
-        )
+        runs = [
+            measure(
+                checkpoint,
+                layout,
+                chosen,
+                page_cache=condition,
+                bucket_mb=args.bucket_mb,
+                repeats=args.repeats,
+                sample_s=args.sample_ms / 1e3,
+                timeout_s=args.timeout_s,
+            )
+            for condition in conditions
+        ]
+    results = runs[0]
+    for other in runs[1:]:
+        results[other["page_cache"]] = other
     results["arguments"] = {
         key: str(value) if isinstance(value, Path) else value
         for key, value in vars(args).items()
         if not callable(value)
     }
-    print(render(results))
+    print("\n\n".join(render(r) for r in runs))
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
         print(f"\nresults written to {args.json}")
-    mismatched = [n for n, s in results["strategies"].items() if not s["weights_match_megastart"]]
+    mismatched = [
+        f"{name} ({r['page_cache']} page cache)"
+        for r in runs
+        for name, s in r["strategies"].items()
+        if not s["weights_match_megastart"]
+    ]
+    if mismatched:
+        print(f"\nweights differ from megastart's: {', '.join(mismatched)}")
     return 1 if mismatched else 0
 
 
@@ -179,6 +215,7 @@ def measure(
     layout: Layout,
     strategies: tuple[str, ...],
     *,
+    page_cache: str = "warm",
     bucket_mb: int | None = None,
     repeats: int = 1,
     sample_s: float = 0.02,
@@ -192,12 +229,15 @@ def measure(
     meta = read_metadata(checkpoint, allow_pickle=False)
     files = checkpoint_files(meta)
     checkpoint_bytes = sum(os.path.getsize(f) for f in files)
-    limits.read_throughput(files)  # warm the page cache: every strategy starts from the same state
+    # Every strategy starts from the same state: the files cached, or dropped before each load.
+    cached_read = limits.read_throughput(files)
+    before_read = partial(limits.drop_from_page_cache, files) if page_cache == "cold" else None
     probe = min(BROADCAST_PROBE_BYTES, checkpoint_bytes)
     options = {"transport": "gloo", "progress": False, "timeout_s": timeout_s}
     if bucket_mb is not None:
         options["bucket_mb"] = bucket_mb
     results: dict[str, Any] = {
+        "page_cache": page_cache,
         "architecture": meta.architectures[0] if meta.architectures else None,
         "layout": asdict(layout) | {"dp": layout.dp},
         "checkpoint": str(checkpoint),
@@ -217,12 +257,16 @@ def measure(
     reads: list[tuple[int, float]] = []
     broadcasts: list[float] = []
     for name in strategies:
-        reads += [limits.read_throughput(files) for _ in range(3)]
+        for _ in range(3):
+            if before_read is not None:
+                before_read()
+            reads.append(limits.read_throughput(files))
         result, broadcast_s = _measure_strategy(
             name,
             checkpoint,
             layout,
             options,
+            before_load=before_read,
             probe_bytes=probe,
             repeats=repeats,
             sample_s=sample_s,
@@ -246,6 +290,7 @@ def measure(
         "broadcast_s": checkpoint_bytes / (probe / broadcast_s),
         "broadcast_probe_bytes": probe,
         "measurements": len(reads),
+        "page_cache_read_gbps": cached_read[0] / cached_read[1] / 1e9,
     }
     results["machine"]["load_average_at_end"] = os.getloadavg()[0]
     reference = results["strategies"]["megastart"]["checksums"]
@@ -261,6 +306,7 @@ def _measure_strategy(
     layout: Layout,
     options: dict[str, Any],
     *,
+    before_load: Callable[[], None] | None,
     probe_bytes: int,
     repeats: int,
     sample_s: float,
@@ -271,8 +317,9 @@ def _measure_strategy(
     The first load measures memory, with the sampler reading every rank's full
     PSS as often as it can; then ``repeats`` loads into the same model measure
     time, with no sampler competing for the CPU, and the fastest is reported
-    (the one other processes on the machine disturbed least). Also returns the
-    fastest of three gloo broadcasts of ``probe_bytes`` in this world, in seconds.
+    (the one other processes on the machine disturbed least). ``before_load``
+    runs before each load (dropping the page cache). Also returns the fastest of
+    three gloo broadcasts of ``probe_bytes`` in this world, in seconds.
     """
     from megastart.bench import limits, strategies
     from megastart.launch import RankPool
@@ -281,10 +328,12 @@ def _measure_strategy(
         pids = pool.run(os.getpid)
         broadcast_s = max(pool.run(limits.broadcast_throughput, probe_bytes))
         pool.run(strategies.build_model, str(checkpoint), asdict(layout))
-        memory = _measure_memory(pool, pids, name, str(checkpoint), options, sample_s)
+        memory = _measure_memory(pool, pids, name, str(checkpoint), options, sample_s, before_load)
         walls = []
         for _ in range(repeats):
             pool.run(strategies.settle)
+            if before_load is not None:
+                before_load()
             per_rank = pool.run(strategies.load, name, str(checkpoint), options)
             walls.append(max(r["wall_s"] for r in per_rank))
         checksums = pool.run(strategies.checksum)
@@ -300,7 +349,13 @@ def _measure_strategy(
 
 
 def _measure_memory(
-    pool: Any, pids: list[int], name: str, checkpoint: str, options: dict[str, Any], sample_s: float
+    pool: Any,
+    pids: list[int],
+    name: str,
+    checkpoint: str,
+    options: dict[str, Any],
+    sample_s: float,
+    before_load: Callable[[], None] | None,
 ) -> dict[str, Any]:
     """One load with the node's PSS sampled throughout and the ranks' kernel peak RSS."""
     from megastart.bench import strategies
@@ -313,6 +368,8 @@ def _measure_memory(
     )
 
     pool.run(strategies.settle)
+    if before_load is not None:
+        before_load()
     for pid in pids:
         reset_peak_rss(pid)
     with PssSampler(pids, period_s=sample_s, file_every=1) as sampler:
@@ -366,8 +423,10 @@ def render(results: dict[str, Any]) -> str:
     lim = results["limits"]
     strategies = results["strategies"]
     ours = strategies["megastart"]
+    cold = results["page_cache"] == "cold"
     lines = [
-        f"megastart bench loader — {results['architecture']}, "
+        f"megastart bench loader, page cache {results['page_cache']} "
+        f"({PAGE_CACHE[results['page_cache']]}) — {results['architecture']}, "
         f"{results['checkpoint_bytes'] / gb:.2f} GB checkpoint "
         f"({results['checkpoint_tensors']} tensors in {results['checkpoint_files']} files), "
         f"{layout.describe()}, gloo on {results['machine']['cpus']} CPU cores "
@@ -391,13 +450,22 @@ def render(results: dict[str, Any]) -> str:
         "x ms: ratio to megastart's figure. Limits measured in this run (the best of "
         f"{lim['measurements']} reads and {lim['measurements']} broadcasts, taken next to the"
         " strategies): one reader "
-        f"reads the files at {lim['read_gbps']:.2f} GB/s ({lim['read_s']:.2f} s for the checkpoint);"
+        f"reads the files {'off the storage ' if cold else ''}at {lim['read_gbps']:.2f} GB/s "
+        f"({lim['read_s']:.2f} s for the checkpoint; from the page cache "
+        f"{lim['page_cache_read_gbps']:.2f} GB/s);"
         f" gloo broadcasts {lim['broadcast_probe_bytes'] / 2**20:.0f} MiB to {layout.ranks} ranks at "
         f"{lim['broadcast_gbps']:.2f} GB/s "
         f"({lim['broadcast_s']:.2f} s for the checkpoint).",
         "",
         "targets (reported, not asserted):",
     ]
+    if cold and lim["read_gbps"] > 0.5 * lim["page_cache_read_gbps"]:
+        lines[-2:-2] = [
+            "",
+            "WARNING: reads after dropping the page cache ran at more than half the speed of "
+            "cached ones: this file system may ignore POSIX_FADV_DONTNEED (tmpfs does), so the "
+            "'cold' figures may be warm ones; put the checkpoint on a disk (--workdir).",
+        ]
     for target in results["targets"].values():
         lines.append(
             f"  {'met    ' if target['met'] else 'NOT met'}  {target['value']:7.3f} {target['target']:<7} "
@@ -423,10 +491,9 @@ def render(results: dict[str, Any]) -> str:
         " before it) minus RSS after it: no sampling gap can hide a peak from it, but it counts"
         " pages the ranks share once per rank and adds peaks that need not coincide;",
         "  bytes read   bytes copied out of the checkpoint files, counted in each strategy's read"
-        " path (megastart: its LoadReport.bytes_read), summed over the ranks. The page cache is"
-        " warm for every strategy (the files are read once before anything is measured), so"
-        " /proc/<pid>/io read_bytes would be 0 and is not used; rchar would miss mmap reads and"
-        " count gloo's socket traffic.",
+        " path (megastart: its LoadReport.bytes_read), summed over the ranks."
+        " /proc/<pid>/io is not used: read_bytes misses what the page cache served (on one node"
+        " the ranks share it), rchar misses mmap reads and counts gloo's socket traffic.",
     ]
     return "\n".join(lines)
 

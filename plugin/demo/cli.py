@@ -39,8 +39,8 @@ JSON_NAME, PNG_NAME = "megastart-demo.json", "megastart-demo.png"
 
 BUCKET_ENV, DEMO_BUCKET_MB = "MEGASTART_RANK0_LOADER_BUCKET_MB", "16"
 """The demo's ``rank0_loader.bucket_mb`` unless the user sets it: the loader's default
-(64 MiB) is sized for checkpoints of several GB; at 300 MB a bucket that size
-would hold a fifth of the checkpoint on every rank at once."""
+(32 MiB) is sized for checkpoints of several GB; at 300 MB a bucket that size
+would hold a tenth of the checkpoint on every rank at once."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -16,14 +16,15 @@ class Rank0LoaderSettings:
     """The backend of the loader's own process group (destroyed after the load);
     ``auto``: NCCL for CUDA parameters, gloo for CPU ones."""
 
-    bucket_mb: float = 64.0
+    bucket_mb: float = 32.0
     """Tensors are streamed in buckets of at most this many MiB (a tensor larger than
     that travels as row blocks in several buckets). Transient memory is about one
     bucket per receiving rank and two on the reader, whatever the largest tensor.
-    64, not more: on ``megastart bench loader`` (1 GB Qwen2, TP2 x PP2) it cuts the
-    transient node memory from 1.29 GB (256) to 0.35 GB, 11x below every rank
-    loading the checkpoint, at about the same wall time; a 64 MiB message is
-    already far past the size where a broadcast reaches its bandwidth."""
+    32: on ``megastart bench loader`` (1 GB Qwen2, TP2 x PP2, gloo) it loads faster
+    than 64 or 256 (smaller messages let the read of the next bucket and the
+    broadcast tree's hops overlap sooner) and keeps the transient node memory near
+    0.17 GB, over 20x below every rank loading the checkpoint; 32 MiB messages
+    already reach a broadcast's bandwidth (gloo here, NCCL on NVLink)."""
 
     timeout_s: float = 300.0
     """Upper bound on any single collective of the load."""
