@@ -246,15 +246,17 @@ class _Stream:
                     )
                     raise
                 payload = host[: bucket.nbytes]
+                copied = None
                 if on_cuda:
                     payload = staging[: bucket.nbytes].copy_(payload, non_blocking=True)
+                    copied = torch.cuda.Event()
+                    copied.record()  # the host buffer may be refilled once this has passed
                 self.channel.send(payload, self.ranks[index])
                 sent += bucket.nbytes if len(self.ranks[index]) > 1 else 0
                 self._apply(index, payload)
-                if on_cuda:
-                    torch.cuda.current_stream().synchronize()  # the host buffer is refilled next
-                prefetch.release(host)
+                prefetch.release(host, copied)
                 progress.advance(bucket.nbytes)
+            self._drain()
         finally:
             prefetch.close()
         return reader.bytes_read, sent
@@ -269,7 +271,15 @@ class _Stream:
             payload = self.channel.receive(buffer, ranks)
             if payload is not None:
                 self._apply(index, payload)
+        self._drain()
         return 0, 0
+
+    def _drain(self) -> None:
+        """Wait for the queued copies and broadcasts: the loader's groups are destroyed next."""
+        import torch
+
+        if self.channel.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
 
     def _apply(self, index: int, payload: torch.Tensor) -> None:
         import torch

@@ -32,7 +32,7 @@ import socket
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from megastart.distributed import new_group
 from megastart.loader.checkpoint import TensorReader
@@ -152,11 +152,23 @@ class Channel:
         return payload
 
     def _header(self, status: int, nbytes: int) -> tuple[int, int]:
-        import torch
+        """Broadcast ``[status, nbytes]`` from the reader; what the reader sent, on every rank.
 
-        header = torch.tensor([status, nbytes], dtype=torch.int64, device=self.device)
+        Filled in place rather than built from a list: on CUDA, a copy from
+        pageable host memory would wait for the stream, and the reader, which
+        knows what it sent, never reads the header back; so its loop does not
+        wait for the GPU once per bucket.
+        """
+        import torch
+        import torch.distributed as dist
+
+        header = torch.empty(2, dtype=torch.int64, device=self.device)
+        header[0], header[1] = status, nbytes
         self._broadcast(header, self.group)
-        return int(header[0]), int(header[1])
+        if dist.get_rank() == self.src:
+            return status, nbytes
+        received = header.tolist()
+        return received[0], received[1]
 
     def _broadcast(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
         import torch.distributed as dist
@@ -173,10 +185,11 @@ class Prefetcher:
         self._reader = reader
         self._plan = plan
         self._timeout_s = timeout_s
-        self._free: queue.Queue[torch.Tensor | None] = queue.Queue()
+        self._free: queue.Queue[tuple[torch.Tensor, Any] | None] = queue.Queue()
         self._ready: queue.Queue[tuple[torch.Tensor | None, BaseException | None]] = queue.Queue()
         for _ in range(min(2, len(plan.buckets))):
-            self._free.put(torch.empty(plan.max_bucket_bytes, dtype=torch.uint8, pin_memory=pin))
+            buffer = torch.empty(plan.max_bucket_bytes, dtype=torch.uint8, pin_memory=pin)
+            self._free.put((buffer, None))
         self._thread = threading.Thread(
             target=self._run, name="megastart-rank0-loader-read", daemon=True
         )
@@ -195,8 +208,13 @@ class Prefetcher:
         assert buffer is not None
         return buffer
 
-    def release(self, buffer: torch.Tensor) -> None:
-        self._free.put(buffer)
+    def release(self, buffer: torch.Tensor, copied: Any = None) -> None:
+        """Give ``buffer`` back for the next read, once the CUDA event ``copied`` (if any) has passed.
+
+        The reader copies a pinned buffer to the GPU asynchronously; the read
+        thread waits for that copy alone, not the sender's whole stream.
+        """
+        self._free.put((buffer, copied))
 
     def close(self) -> None:
         self._free.put(None)
@@ -206,10 +224,13 @@ class Prefetcher:
     def _run(self) -> None:
         buckets = self._plan.buckets
         for index, bucket in enumerate(buckets):
-            buffer = self._free.get()
-            if buffer is None:
+            free = self._free.get()
+            if free is None:
                 return
+            buffer, copied = free
             try:
+                if copied is not None:
+                    copied.synchronize()
                 if index + 1 < len(buckets):
                     read_ahead(self._reader, buckets[index + 1])
                 fill(self._reader, bucket, buffer)
