@@ -5,20 +5,19 @@ Two measurements, printed as one JSON object on stdout:
 1. ``correctness``: a tiny random Llama checkpoint (``transformers``) loaded into a
    Megatron-core GPTModel on the GPU; max abs difference of the logits (fp32).
 2. ``throughput``: a random bf16 Llama-shaped safetensors checkpoint of the given
-   size (written here, sharded with an index) loaded into a bf16 GPTModel on the
-   GPU: seconds, GB/s, peak host RSS growth, GPU memory, and a bit-exact check of
-   sampled parameters against the file.
+   shape (written by ``megastart.demo.checkpoints``, sharded with an index) loaded
+   into a bf16 GPTModel on the GPU, once per bucket size and page-cache state
+   (``cold``: dropped from the page cache first; ``warm``: cached): seconds,
+   GB/s, peak host RSS growth, GPU memory, and a bit-exact check of sampled
+   parameters against the file.
 
 Run on a machine with one NVIDIA GPU, torch, transformers, safetensors and
 megatron-core (``pip install --no-deps megatron-core==0.16.1``) and megastart
 (``pip install --no-deps -e .``)::
 
-    python bench/gpu/loader_ws1.py                 # ~4.4 GB checkpoint
+    python bench/gpu/loader_ws1.py                 # ~4 GB checkpoint, 32 and 256 MiB buckets
     python bench/gpu/loader_ws1.py --layers 2      # quicker
     python bench/gpu/loader_ws1.py --device cpu    # the same script on CPU (gloo)
-
-The page cache is not dropped: the throughput run reads files this script has
-just written, so it measures the loader, not the disk.
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--bucket-mb", type=int, default=256)
+    parser.add_argument("--bucket-mb", type=int, nargs="+", default=[32, 256])
     parser.add_argument(
         "--workdir", default=None, help="where to write the checkpoints (default: a temp dir)"
     )
@@ -54,12 +53,12 @@ def main() -> None:
     device = torch.device(args.device)
     _init_world(device)
     with tempfile.TemporaryDirectory(dir=args.workdir) as workdir:
-        settings = Rank0LoaderSettings(bucket_mb=args.bucket_mb, progress=False)
+        settings = Rank0LoaderSettings(bucket_mb=args.bucket_mb[0], progress=False)
         result = {
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             "torch": torch.__version__,
             "correctness": _correctness(Path(workdir) / "tiny", device, settings),
-            "throughput": _throughput(Path(workdir) / "big", device, settings, args),
+            "throughput": _throughput(Path(workdir) / "big", device, args),
         }
     print(json.dumps(result, indent=2))
 
@@ -129,12 +128,16 @@ def _correctness(directory: Path, device, settings) -> dict:
     }
 
 
-def _throughput(directory: Path, device, settings, args) -> dict:
+def _throughput(directory: Path, device, args) -> list[dict]:
     import torch
     import transformers
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
     from megastart import load_hf_checkpoint
+    from megastart.bench.limits import drop_from_page_cache
+    from megastart.bench.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
+    from megastart.demo.checkpoints import make_checkpoint
+    from megastart.loader.settings import Rank0LoaderSettings
 
     config = transformers.LlamaConfig(
         hidden_size=args.hidden,
@@ -146,109 +149,65 @@ def _throughput(directory: Path, device, settings, args) -> dict:
         max_position_embeddings=4096,
         tie_word_embeddings=False,
         architectures=["LlamaForCausalLM"],
+        dtype="bfloat16",
     )
-    nbytes = _write_random_checkpoint(directory, config)
+    make_checkpoint(config, directory)
+    weight_map = json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"]
+    files = sorted(str(directory / f) for f in set(weight_map.values()))
+    nbytes = sum(os.path.getsize(f) for f in files)
     chunks = _build(config, device, torch.bfloat16)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        gpu_before = torch.cuda.memory_allocated()
-    rss_before = _reset_peak_rss()
-    start = time.perf_counter()
-    report = load_hf_checkpoint(chunks, str(directory), settings=settings)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    shard = load_file(directory / "model-00001-of-00002.safetensors")
     params = dict(chunks[0].named_parameters())
-    exact = torch.equal(
-        params["embedding.word_embeddings.weight"][: args.vocab].cpu(),
-        shard["model.embed_tokens.weight"],
-    )
-    exact &= torch.equal(
-        params["decoder.layers.0.input_layernorm.weight"].cpu(),
-        shard["model.layers.0.input_layernorm.weight"],
-    )
-    out = {
-        "checkpoint_gb": nbytes / 1e9,
-        "parameters": sum(p.numel() for p in params.values()),
-        "bucket_mb": args.bucket_mb,
-        "seconds": seconds,
-        "gb_per_s": nbytes / seconds / 1e9,
-        "report": report.summary(),
-        "host_peak_rss_growth_gb": None if rss_before is None else (_peak_rss() - rss_before) / 1e9,
-        "sampled_parameters_bit_exact": bool(exact),
+    sampled = {
+        "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+        "decoder.layers.0.input_layernorm.weight": "model.layers.0.input_layernorm.weight",
     }
-    if device.type == "cuda":
-        out["gpu_peak_extra_gb"] = (torch.cuda.max_memory_allocated() - gpu_before) / 1e9
-    return out
-
-
-def _write_random_checkpoint(directory: Path, config) -> int:
-    """A bf16 Llama checkpoint with random tensors, in two shards plus an index."""
-    import torch
-    from safetensors.torch import save_file
-
-    h, f, d = (
-        config.hidden_size,
-        config.intermediate_size,
-        config.hidden_size // config.num_attention_heads,
-    )
-    shapes = {
-        "model.embed_tokens.weight": (config.vocab_size, h),
-        "model.norm.weight": (h,),
-        "lm_head.weight": (config.vocab_size, h),
-    }
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (config.num_attention_heads * d, h),
-            p + "self_attn.k_proj.weight": (config.num_key_value_heads * d, h),
-            p + "self_attn.v_proj.weight": (config.num_key_value_heads * d, h),
-            p + "self_attn.o_proj.weight": (h, config.num_attention_heads * d),
-            p + "mlp.gate_proj.weight": (f, h),
-            p + "mlp.up_proj.weight": (f, h),
-            p + "mlp.down_proj.weight": (h, f),
-        }
-    directory.mkdir(parents=True)
-    config.save_pretrained(directory)
-    names = list(shapes)
-    halves = [names[: len(names) // 2], names[len(names) // 2 :]]
-    weight_map, total = {}, 0
-    generator = torch.Generator().manual_seed(0)
-    for index, part in enumerate(halves):
-        file = f"model-{index + 1:05d}-of-00002.safetensors"
-        tensors = {n: torch.randn(shapes[n], generator=generator).to(torch.bfloat16) for n in part}
-        save_file(tensors, directory / file)
-        total += sum(t.numel() * 2 for t in tensors.values())
-        weight_map |= dict.fromkeys(part, file)
-        del tensors
-    (directory / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": weight_map})
-    )
-    return total
-
-
-def _reset_peak_rss() -> int | None:
-    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS and return it; None if not allowed."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        return None
-    return _status_bytes("VmRSS")
-
-
-def _peak_rss() -> int:
-    return _status_bytes("VmHWM")
-
-
-def _status_bytes(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
+    runs = []
+    for bucket_mb in args.bucket_mb:
+        for cache in ("cold", "warm"):
+            for param in params.values():
+                param.data.zero_()
+            if cache == "cold":
+                drop_from_page_cache(files)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                gpu_before = torch.cuda.memory_allocated()
+            try:
+                reset_peak_rss(os.getpid())
+                rss_before: int | None = rss_bytes(os.getpid())
+            except OSError:  # clear_refs is not writable in some sandboxes
+                rss_before = None
+            start = time.perf_counter()
+            settings = Rank0LoaderSettings(bucket_mb=bucket_mb, progress=False)
+            report = load_hf_checkpoint(chunks, str(directory), settings=settings)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            host_peak_growth = (
+                None if rss_before is None else peak_rss_bytes(os.getpid()) - rss_before
+            )
+            exact = True  # checked after the peak was read: the check itself reads tensors
+            for megatron, hf in sampled.items():
+                with safe_open(directory / weight_map[hf], "pt") as f:
+                    expected = f.get_tensor(hf)
+                exact &= torch.equal(params[megatron][: expected.shape[0]].cpu(), expected)
+            run = {
+                "bucket_mb": bucket_mb,
+                "page_cache": cache,
+                "checkpoint_gb": nbytes / 1e9,
+                "parameters": sum(p.numel() for p in params.values()),
+                "seconds": seconds,
+                "gb_per_s": nbytes / seconds / 1e9,
+                "report": report.summary(),
+                "host_peak_rss_growth_gb": None
+                if host_peak_growth is None
+                else host_peak_growth / 1e9,
+                "sampled_parameters_bit_exact": bool(exact),
+            }
+            if device.type == "cuda":
+                run["gpu_peak_extra_gb"] = (torch.cuda.max_memory_allocated() - gpu_before) / 1e9
+            runs.append(run)
+    return runs
 
 
 if __name__ == "__main__":
