@@ -309,6 +309,36 @@ def hf_shard(checkpoint: str, name: str, tp_rank: int) -> Any:
     return full.chunk(TP)[tp_rank]
 
 
+def check_probe_handled_load(out: dict[str, Any], checkpoint: str, engine_class: str) -> None:
+    """The probe plugin's report (mode ``handle``) replaced verl's loader on this rank:
+    one ``on_model_load`` call saw the real model and context, and no weight was loaded."""
+    from importlib import metadata
+
+    import torch
+    from megastart_verl_probe import FILL
+
+    (call,) = out["calls"]
+    call.pop("first_param_sum")
+    assert call == {
+        "hook": "on_model_load",
+        "checkpoint": checkpoint,
+        "host": "verl",
+        "host_version": metadata.version("verl"),
+        "chunk_types": ["GPTModel"],
+        "parallel_state": "megatron.core.parallel_state",
+        "tp": TP,
+        "device": "cpu",
+        "dtype": "torch.bfloat16",
+        "hf_model_type": "qwen2",
+        "is_restart": False,
+        "mode": "handle",
+        "value_model": False,
+        "engine_class": engine_class,
+    }
+    for name, value in out["params"].items():
+        assert torch.all(value == FILL), name  # verl's loader never ran
+
+
 def check_loaded_from_hf(out: dict[str, Any], checkpoint: str) -> None:
     """A rank's embedding and output layer hold its rows of the checkpoint's."""
     import torch
