@@ -125,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
 
 def render_table(results: dict[str, Any]) -> str:
     """The comparison table (Markdown, so the README can show it as is)."""
+    from megastart.loader.settings import Rank0LoaderSettings
+
     layout = results["layout"]
     lines = [
         f"{results['checkpoint_bytes'] / 1e6:.0f} MB checkpoint, {layout['ranks']} ranks "
@@ -155,7 +157,8 @@ def render_table(results: dict[str, Any]) -> str:
         f"warmup: {what}",
         f"rank0_loader.bucket_mb = {bucket.get('value')} ("
         + (
-            "the demo's default for its small checkpoint; the loader's own is 256"
+            "the demo's default for its small checkpoint; the loader's own is "
+            f"{Rank0LoaderSettings().bucket_mb:g}"
             if BUCKET_ENV in results["set_by_demo"]
             else bucket.get("source", "")
         )
