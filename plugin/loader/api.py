@@ -130,12 +130,7 @@ def _load(
     table = _table(meta)
 
     with phase(f"{PLUGIN}: planning"):
-        params, tensors = _local_params(chunks)
-        megatron = _megatron_config(chunks[0])
-        check_expert_parallel(meta.config, megatron, checkpoint=checkpoint)
-        check_config(table, meta.config, megatron, checkpoint=checkpoint)
-        shard = _shard(megatron)
-        needs = resolve_needs(params, table, meta, shard)
+        params, tensors, shard, needs = local_needs(chunks, meta, table)
         device = tensors[next(iter(tensors))].device if tensors else _cpu()
 
     mine = (node_key(), [(n.hf, n.param.dtype) for n in needs], device.type)
@@ -195,6 +190,27 @@ def _load(
         reader_ranks=tuple(g[0] for g in groups),
         tensors=len({name for g in gathered for names, _ in g[1] for name in names}),
     )
+
+
+def local_needs(
+    chunks: list[Any], meta: CheckpointMeta, table: MappingTable | None = None
+) -> tuple[list[ParamInfo], dict[tuple[int, str], torch.Tensor], Shard, list[Need]]:
+    """What this rank needs from the checkpoint, checked against it: no collective.
+
+    Returns this rank's parameters (canonical names), the tensors by ``(chunk,
+    local name)``, its tensor-parallel shard, and one :class:`Need` per
+    parameter: the HF tensors, the transform and the slice that fill it. Raises
+    :class:`PlanError` (this rank only) when the checkpoint's config or shapes do
+    not fit the model built. The benchmark's baselines use it too, so every
+    strategy writes exactly what the loader writes.
+    """
+    table = table or _table(meta)
+    params, tensors = _local_params(chunks)
+    megatron = _megatron_config(chunks[0])
+    check_expert_parallel(meta.config, megatron, checkpoint=meta.directory)
+    check_config(table, meta.config, megatron, checkpoint=meta.directory)
+    shard = _shard(megatron)
+    return params, tensors, shard, resolve_needs(params, table, meta, shard)
 
 
 class _Stream:
