@@ -33,6 +33,10 @@ from typing import Any
 _SAVED: list[tuple[Any, str, Any]] = []
 """(owner, attribute, original value) of every shim in place, to restore them."""
 
+_GROUPS_BEFORE: set[Any] = set()
+"""The process groups that existed before :func:`initialize_megatron`: the ones
+:func:`destroy_megatron` leaves alone."""
+
 
 def initialize_megatron(
     *,
@@ -74,6 +78,7 @@ def initialize_megatron(
             f"rank {dist.get_rank()}; a previous task did not call destroy_megatron()"
         )
     _apply_shims()
+    _GROUPS_BEFORE.update(_process_groups())
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
@@ -91,16 +96,33 @@ def initialize_megatron(
 
 
 def destroy_megatron() -> None:
-    """Destroy Megatron's parallel state and remove the shims. Safe to call twice."""
+    """Destroy Megatron's parallel state and process groups, remove the shims. Safe to call twice.
+
+    ``destroy_model_parallel`` only drops Megatron's references to its groups;
+    each gloo group keeps its threads and sockets until destroyed, so a pool
+    that runs many layouts would pile up a thousand threads per rank.
+    """
+    import torch.distributed as dist
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
+    if _GROUPS_BEFORE:
+        for group in _process_groups() - _GROUPS_BEFORE:
+            dist.destroy_process_group(group)
+        _GROUPS_BEFORE.clear()
     while _SAVED:
         owner, name, original = _SAVED.pop()
         if original is _ABSENT:
             delattr(owner, name)
         else:
             setattr(owner, name, original)
+
+
+def _process_groups() -> set[Any]:
+    """Every live process group of this process, the default one included."""
+    from torch.distributed import distributed_c10d
+
+    return set(distributed_c10d._world.pg_map)
 
 
 def _apply_shims() -> None:
