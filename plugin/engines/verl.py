@@ -44,6 +44,7 @@ versions from ``model_type``). ``post_recover_load`` and
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from types import ModuleType
 from typing import Any, ClassVar
 
@@ -52,10 +53,9 @@ import wrapt
 from megastart.engines.base import EngineAdapter
 from megastart.engines.verl_common import (
     BRIDGE_LOADERS,
-    VALUE_MODEL_NOT_HOOKED,
     argument,
     first_step_of_process,
-    log_rank0,
+    load_through_hook,
     restore_log_level,
     shadowed,
     show_summaries,
@@ -111,15 +111,15 @@ class VerlAdapter(EngineAdapter):
 
     def _bridge_loader(self, engine: Any) -> Callable[..., Any]:
         def load(wrapped: Callable[..., Any], _bridge: Any, args: Any, kwargs: Any) -> Any:
-            if engine.is_value_model:  # set by verl before it loads (0.7 to 0.9)
-                log_rank0(VALUE_MODEL_NOT_HOOKED)
-                return wrapped(*args, **kwargs)
-            model = argument(wrapped, args, kwargs, 0)
-            path = argument(wrapped, args, kwargs, 1) or engine.model_config.local_path
-            context = self._context(engine, model)
-            if call_hook("on_model_load", engine=context, checkpoint=str(path)) is None:
-                return wrapped(*args, **kwargs)
-            return None
+            return load_through_hook(
+                wrapped,
+                args,
+                kwargs,
+                value_model=bool(engine.is_value_model),  # set by verl before it loads (0.7-0.9)
+                context=partial(self._context, engine),
+                model_at=0,
+                checkpoint=argument(wrapped, args, kwargs, 1) or engine.model_config.local_path,
+            )
 
         return load
 

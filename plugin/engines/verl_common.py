@@ -21,7 +21,7 @@ from typing import Any
 import wrapt
 
 from megastart.engines.base import EngineAdapter
-from megastart.manager import get_settings
+from megastart.manager import call_hook, get_settings
 from megastart.records import EngineContext
 
 log = logging.getLogger("megastart")
@@ -96,6 +96,31 @@ def verl_context(
         settings=get_settings(),
         extra=extra,
     )
+
+
+def load_through_hook(
+    wrapped: Callable[..., Any],
+    args: Any,
+    kwargs: Any,
+    *,
+    value_model: bool,
+    context: Callable[[Any], EngineContext],
+    model_at: int,
+    checkpoint: Any,
+) -> Any:
+    """Run one of verl's HF loaders behind ``on_model_load``: the loader itself only if no
+    plugin handled the load, or for a value model (its head is not in the checkpoint).
+
+    :param context: the engine context for the model chunks the loader was given.
+    :param model_at: the loader's parameter that holds those chunks.
+    """
+    if value_model:
+        log_rank0(VALUE_MODEL_NOT_HOOKED)
+        return wrapped(*args, **kwargs)
+    model = argument(wrapped, args, kwargs, model_at)
+    if call_hook("on_model_load", engine=context(model), checkpoint=str(checkpoint)) is None:
+        return wrapped(*args, **kwargs)
+    return None
 
 
 def log_rank0(message: str) -> None:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import ExitStack
+from functools import partial
 from types import ModuleType
 from typing import Any, ClassVar
 
@@ -49,10 +50,9 @@ import wrapt
 from megastart.engines.base import EngineAdapter
 from megastart.engines.verl_common import (
     BRIDGE_LOADERS,
-    VALUE_MODEL_NOT_HOOKED,
     argument,
     first_step_of_process,
-    log_rank0,
+    load_through_hook,
     restore_log_level,
     shadowed,
     show_summaries,
@@ -147,17 +147,17 @@ class VerlLegacyAdapter(EngineAdapter):
         """
 
         def load(wrapped: Callable[..., Any], _: Any, args: Any, kwargs: Any) -> Any:
-            if self._is_critic(worker):
-                log_rank0(VALUE_MODEL_NOT_HOOKED)
-                return wrapped(*args, **kwargs)
-            model = argument(wrapped, args, kwargs, model_at)
-            path = (
-                worker.local_path if path_at is None else argument(wrapped, args, kwargs, path_at)
+            return load_through_hook(
+                wrapped,
+                args,
+                kwargs,
+                value_model=self._is_critic(worker),
+                context=partial(self._context, worker),
+                model_at=model_at,
+                checkpoint=worker.local_path
+                if path_at is None
+                else argument(wrapped, args, kwargs, path_at),
             )
-            context = self._context(worker, model)
-            if call_hook("on_model_load", engine=context, checkpoint=str(path)) is None:
-                return wrapped(*args, **kwargs)
-            return None
 
         return load
 
