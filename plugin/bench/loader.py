@@ -231,7 +231,9 @@ def measure(
     checkpoint_bytes = sum(os.path.getsize(f) for f in files)
     # Every strategy starts from the same state: the files cached, or dropped before each load.
     cached_read = limits.read_throughput(files)
-    before_read = partial(limits.drop_from_page_cache, files) if page_cache == "cold" else None
+    before_read: Callable[[], None] = (
+        partial(limits.drop_from_page_cache, files) if page_cache == "cold" else _keep_cached
+    )
     probe = min(BROADCAST_PROBE_BYTES, checkpoint_bytes)
     options = {"transport": "gloo", "progress": False, "timeout_s": timeout_s}
     if bucket_mb is not None:
@@ -258,8 +260,7 @@ def measure(
     broadcasts: list[float] = []
     for name in strategies:
         for _ in range(3):
-            if before_read is not None:
-                before_read()
+            before_read()
             reads.append(limits.read_throughput(files))
         result, broadcast_s = _measure_strategy(
             name,
@@ -306,7 +307,7 @@ def _measure_strategy(
     layout: Layout,
     options: dict[str, Any],
     *,
-    before_load: Callable[[], None] | None,
+    before_load: Callable[[], None],
     probe_bytes: int,
     repeats: int,
     sample_s: float,
@@ -332,8 +333,7 @@ def _measure_strategy(
         walls = []
         for _ in range(repeats):
             pool.run(strategies.settle)
-            if before_load is not None:
-                before_load()
+            before_load()
             per_rank = pool.run(strategies.load, name, str(checkpoint), options)
             walls.append(max(r["wall_s"] for r in per_rank))
         checksums = pool.run(strategies.checksum)
@@ -355,7 +355,7 @@ def _measure_memory(
     checkpoint: str,
     options: dict[str, Any],
     sample_s: float,
-    before_load: Callable[[], None] | None,
+    before_load: Callable[[], None],
 ) -> dict[str, Any]:
     """One load with the node's PSS sampled throughout and the ranks' kernel peak RSS."""
     from megastart.bench import strategies
@@ -368,8 +368,7 @@ def _measure_memory(
     )
 
     pool.run(strategies.settle)
-    if before_load is not None:
-        before_load()
+    before_load()
     for pid in pids:
         reset_peak_rss(pid)
     with PssSampler(pids, period_s=sample_s, file_every=1) as sampler:
@@ -390,6 +389,10 @@ def _measure_memory(
             "cpu_share": sampler.cpu_share,
         },
     }
+
+
+def _keep_cached() -> None:
+    """``before_load`` of the warm runs: the files stay in the page cache."""
 
 
 def _targets(results: dict[str, Any]) -> dict[str, Any]:
