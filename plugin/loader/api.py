@@ -17,11 +17,12 @@ import dataclasses
 import logging
 import re
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from megastart.distributed import all_or_none, destroy_group, new_group
+from megastart.distributed import OwnGroups, all_or_none, broadcast_or_raise
 from megastart.loader.checkpoint import CheckpointMeta, TensorReader, read_metadata
 from megastart.loader.experts import check_expert_parallel, first_local_expert, global_expert_name
 from megastart.loader.mappings import MappingTable, known_architectures, mapping_for
@@ -40,8 +41,10 @@ from megastart.loader.progress import Progress
 from megastart.loader.settings import Rank0LoaderSettings
 from megastart.loader.transforms import TRANSFORMS, Shard
 from megastart.loader.transport import (
+    IN_FLIGHT,
     Channel,
     Prefetcher,
+    ReaderError,
     node_key,
     open_data_groups,
     open_receiver_groups,
@@ -106,36 +109,33 @@ def load_hf_checkpoint(
     """
     settings = settings or _default_settings()
     start = time.perf_counter()
-    control = new_group(None, backend="gloo", timeout_s=settings.timeout_s)
-    try:
-        return _load(list(model_chunks), str(checkpoint_dir), settings, control, start)
-    finally:
-        destroy_group(control)
+    with OwnGroups(timeout_s=settings.timeout_s) as own:
+        return _load(list(model_chunks), str(checkpoint_dir), settings, own, start)
 
 
 def _load(
-    chunks: list[Any], checkpoint: str, settings: Rank0LoaderSettings, control: Any, start: float
+    chunks: list[Any], checkpoint: str, settings: Rank0LoaderSettings, own: OwnGroups, start: float
 ) -> LoadReport:
     import torch.distributed as dist
 
     rank = dist.get_rank()
+    control = own.new(None, backend="gloo")
     phase = partial(all_or_none, timeout_s=settings.timeout_s, control=control)
 
-    box: list[Any] = [None]
-    with phase(f"{PLUGIN}: reading the metadata of {checkpoint!r}"):
-        if rank == 0:
-            box[0] = read_metadata(checkpoint, allow_pickle=settings.allow_pickle)
-    dist.broadcast_object_list(box, src=0, group=control)
-    meta: CheckpointMeta = box[0]
+    meta: CheckpointMeta = broadcast_or_raise(
+        f"{PLUGIN}: reading the metadata of {checkpoint!r}",
+        partial(read_metadata, checkpoint, allow_pickle=settings.allow_pickle),
+        src=0,
+        timeout_s=settings.timeout_s,
+        control=control,
+    )
     table = _table(meta)
 
-    with phase(f"{PLUGIN}: planning"):
+    with phase(f"{PLUGIN}: planning") as planned:
         params, tensors, shard, needs = local_needs(chunks, meta, table)
         device = tensors[next(iter(tensors))].device if tensors else _cpu()
-
-    mine = (node_key(), [(n.hf, n.param.dtype) for n in needs], device.type)
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine, group=control)
+        planned.share((node_key(), [(n.hf, n.param.dtype) for n in needs], device.type))
+    gathered = planned.shared
     groups = reader_groups(settings.reader, [g[0] for g in gathered])
     group = next(g for g in groups if rank in g)
 
@@ -158,29 +158,21 @@ def _load(
     if unused and rank == 0:
         log.warning("megastart: %s", _unused_message(unused, checkpoint, strict=False))
 
-    data_group = open_data_groups(groups, backend=backend, timeout_s=settings.timeout_s)
+    # One gloo reader group can send over the control group: one group fewer to connect.
+    single_gloo = backend == "gloo" and len(groups) == 1
+    data_group = control if single_gloo else open_data_groups(groups, own, backend=backend)
     receivers = {tuple(group): data_group}
-    try:
-        receivers |= open_receiver_groups(
-            every_receiver_set, backend=backend, timeout_s=settings.timeout_s
+    receivers |= open_receiver_groups(every_receiver_set, own, backend=backend)
+    coverage = Coverage()
+    with phase(f"{PLUGIN}: streaming {checkpoint!r} and verifying the coverage") as loaded:
+        channel = Channel(data_group, group[0], device if backend == "nccl" else _cpu(), receivers)
+        stream = _Stream(plan, needs, tensors, shard, coverage, channel, group)
+        read, sent = (
+            stream.run_reader(meta, settings) if rank == group[0] else stream.run_receiver()
         )
-        coverage = Coverage()
-        with phase(f"{PLUGIN}: streaming {checkpoint!r}"):
-            channel = Channel(
-                data_group, group[0], device if backend == "nccl" else _cpu(), receivers
-            )
-            stream = _Stream(plan, needs, tensors, shard, coverage, channel, group)
-            read, sent = (
-                stream.run_reader(meta, settings) if rank == group[0] else stream.run_receiver()
-            )
-        with phase(f"{PLUGIN}: verifying"):
-            coverage.check(params)
-    finally:
-        for receiver_group in receivers.values():
-            destroy_group(receiver_group)
-
-    totals: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(totals, (read, sent), group=control)
+        coverage.check(params)
+        loaded.share((read, sent))
+    totals = loaded.shared
     return LoadReport(
         plugin=PLUGIN,
         checkpoint=checkpoint,
@@ -246,49 +238,93 @@ class _Stream:
         device = self.channel.device
         on_cuda = device.type == "cuda"
         reader = TensorReader(meta)
-        prefetch = Prefetcher(reader, self.plan, pin=on_cuda, timeout_s=settings.timeout_s)
-        progress = Progress(self.plan.nbytes, enabled=settings.progress)
-        staging = torch.empty(
-            self.plan.max_bucket_bytes if on_cuda else 0, dtype=torch.uint8, device=device
+        # On CPU gloo sends from the host buffer itself, so each one in flight holds one;
+        # on CUDA a host buffer is free once copied to its staging buffer on the GPU.
+        prefetch = Prefetcher(
+            reader,
+            self.plan,
+            buffers=2 if on_cuda else IN_FLIGHT + 1,
+            pin=on_cuda,
+            timeout_s=settings.timeout_s,
         )
+        progress = Progress(self.plan.nbytes, enabled=settings.progress)
+        staging = [
+            torch.empty(
+                self.plan.max_bucket_bytes if on_cuda else 0, dtype=torch.uint8, device=device
+            )
+            for _ in range(IN_FLIGHT)
+        ]
+        in_flight: deque[tuple[Any, Callable[[], None]]] = deque()
         sent = 0
         try:
             for index, bucket in enumerate(self.plan.buckets):
                 try:
                     host = prefetch.next()
                 except BaseException as e:
+                    while in_flight:  # what was announced is delivered before the error
+                        self._finish(*in_flight.popleft())
                     self.channel.send_error(
                         f"reader rank {_rank()} failed: {type(e).__name__}: {e}"
                     )
                     raise
                 payload = host[: bucket.nbytes]
-                copied = None
                 if on_cuda:
-                    payload = staging[: bucket.nbytes].copy_(payload, non_blocking=True)
+                    payload = staging[index % IN_FLIGHT][: bucket.nbytes]
+                    payload.copy_(host[: bucket.nbytes], non_blocking=True)
                     copied = torch.cuda.Event()
                     copied.record()  # the host buffer may be refilled once this has passed
-                self.channel.send(payload, self.ranks[index])
+                    prefetch.release(host, copied)
+                    done = _nothing
+                else:
+                    done = partial(prefetch.release, host)
+                in_flight.append((self.channel.send(payload, self.ranks[index]), done))
                 sent += bucket.nbytes if len(self.ranks[index]) > 1 else 0
                 self._apply(index, payload)
-                prefetch.release(host, copied)
                 progress.advance(bucket.nbytes)
+                if len(in_flight) == IN_FLIGHT:
+                    self._finish(*in_flight.popleft())
+            while in_flight:
+                self._finish(*in_flight.popleft())
             self._drain()
         finally:
             prefetch.close()
         return reader.bytes_read, sent
 
     def run_receiver(self) -> tuple[int, int]:
+        """Receive this rank's buckets, ``IN_FLIGHT`` at a time, applying each once it has arrived."""
         import torch
 
-        buffer = torch.empty(
-            self.plan.max_bucket_bytes, dtype=torch.uint8, device=self.channel.device
-        )
-        for index, ranks in enumerate(self.ranks):
-            payload = self.channel.receive(buffer, ranks)
-            if payload is not None:
-                self._apply(index, payload)
+        buffers = [
+            torch.empty(self.plan.max_bucket_bytes, dtype=torch.uint8, device=self.channel.device)
+            for _ in range(IN_FLIGHT)
+        ]
+        in_flight: deque[tuple[Any, Callable[[], None]]] = deque()
+        received = 0
+        try:
+            for index, ranks in enumerate(self.ranks):
+                started = self.channel.receive(buffers[received % IN_FLIGHT], ranks)
+                if started is None:
+                    continue
+                payload, work = started
+                received += 1
+                in_flight.append((work, partial(self._apply, index, payload)))
+                if len(in_flight) == IN_FLIGHT:
+                    self._finish(*in_flight.popleft())
+        except ReaderError:
+            while in_flight:  # the reader sent these before its error: take them off the wire
+                in_flight.popleft()[0].wait()
+            raise
+        while in_flight:
+            self._finish(*in_flight.popleft())
         self._drain()
         return 0, 0
+
+    @staticmethod
+    def _finish(work: Any, then: Callable[[], None]) -> None:
+        """Wait for one broadcast in flight (bounded by its group's timeout), then run ``then``."""
+        if work is not None:
+            work.wait()
+        then()
 
     def _drain(self) -> None:
         """Wait for the queued copies and broadcasts: the loader's groups are destroyed next."""
@@ -405,6 +441,10 @@ def _default_settings() -> Rank0LoaderSettings:
     from megastart.manager import get_settings
 
     return get_settings().sections.get(PLUGIN) or Rank0LoaderSettings()
+
+
+def _nothing() -> None:
+    pass
 
 
 def _cpu() -> torch.device:

@@ -18,10 +18,15 @@ sends ``status = 1`` and the error message to the whole group instead, so every
 rank raises that message rather than waiting for bytes that never come. Every
 wait is bounded by the group's timeout.
 
-**Overlap.** A background thread reads bucket *i + 1* into the second of two
-host buffers (pinned when the parameters are on CUDA) while bucket *i* is
-being broadcast, and asks the kernel to read bucket *i + 2* ahead
-(``POSIX_FADV_WILLNEED``), so a cold page cache keeps the storage busy.
+**Overlap.** Payloads are broadcast asynchronously, :data:`IN_FLIGHT` at a
+time: while bucket *i* travels, a receiver copies bucket *i - 1* into its
+parameters, and a background thread on the reader reads bucket *i + 1* (into
+host buffers, pinned when the parameters are on CUDA) and asks the kernel to
+read bucket *i + 2* ahead (``POSIX_FADV_WILLNEED``), so a cold page cache keeps
+the storage busy. Headers stay synchronous, and a header announces only a
+payload that will be sent: when the reader fails, it first finishes the
+broadcasts in flight, then sends the error, so no rank is left waiting on a
+payload that never comes.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from megastart.distributed import new_group
+from megastart.distributed import OwnGroups
 from megastart.loader.checkpoint import TensorReader
 from megastart.loader.plan import Bucket, Plan, Slot
 
@@ -43,6 +48,9 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
 _OK, _FAILED = 0, 1
+
+IN_FLIGHT = 2
+"""Payload broadcasts a rank has in flight at once; each holds a bucket-sized buffer."""
 
 
 class ReaderError(RuntimeError):
@@ -72,17 +80,15 @@ def reader_groups(reader: str, keys: Sequence[tuple[str, int]]) -> list[list[int
     return sorted(by_node.values())
 
 
-def open_data_groups(
-    groups: list[list[int]], *, backend: str, timeout_s: float
-) -> dist.ProcessGroup:
+def open_data_groups(groups: list[list[int]], own: OwnGroups, *, backend: str) -> dist.ProcessGroup:
     """Create every group's process group (collective over WORLD); return this rank's."""
     import torch.distributed as dist
 
     if len(groups) == 1:
-        return new_group(None, backend=backend, timeout_s=timeout_s)
+        return own.new(None, backend=backend)
     mine = None
     for ranks in groups:
-        group = new_group(ranks, backend=backend, timeout_s=timeout_s)
+        group = own.new(ranks, backend=backend)
         if dist.get_rank() in ranks:
             mine = group
     assert mine is not None
@@ -90,7 +96,7 @@ def open_data_groups(
 
 
 def open_receiver_groups(
-    receiver_sets: list[tuple[int, ...]], *, backend: str, timeout_s: float
+    receiver_sets: list[tuple[int, ...]], own: OwnGroups, *, backend: str
 ) -> dict[tuple[int, ...], dist.ProcessGroup]:
     """A process group per set of global ranks (collective over WORLD); this rank's, by set.
 
@@ -101,7 +107,7 @@ def open_receiver_groups(
     mine = {}
     for ranks in receiver_sets:
         if len(ranks) > 1:
-            group = new_group(ranks, backend=backend, timeout_s=timeout_s)
+            group = own.new(ranks, backend=backend)
             if dist.get_rank() in ranks:
                 mine[ranks] = group
     return mine
@@ -120,10 +126,16 @@ class Channel:
     receivers: dict[tuple[int, ...], dist.ProcessGroup]
     """The process groups this rank is in, by their global ranks (the reader first)."""
 
-    def send(self, payload: torch.Tensor, ranks: tuple[int, ...]) -> None:
+    def send(self, payload: torch.Tensor, ranks: tuple[int, ...]) -> dist.Work | None:
+        """Announce ``payload`` to the whole group, then start its broadcast to ``ranks``.
+
+        Returns the broadcast in flight (``None`` if no group holds ``ranks``):
+        ``payload`` must stay untouched until it has been waited for.
+        """
         self._header(_OK, payload.numel())
         if ranks in self.receivers:  # the reader alone in a group of one too: NCCL exercised
-            self._broadcast(payload, self.receivers[ranks])
+            return self._broadcast(payload, self.receivers[ranks], async_op=True)
+        return None
 
     def send_error(self, message: str) -> None:
         import torch
@@ -132,11 +144,15 @@ class Channel:
         self._header(_FAILED, data.numel())
         self._broadcast(data, self.group)
 
-    def receive(self, buffer: torch.Tensor, ranks: tuple[int, ...]) -> torch.Tensor | None:
-        """The next payload, in ``buffer`` (``None`` if it is not for this rank).
+    def receive(
+        self, buffer: torch.Tensor, ranks: tuple[int, ...]
+    ) -> tuple[torch.Tensor, dist.Work] | None:
+        """Start receiving the next payload into ``buffer`` (``None`` if it is not for this rank).
 
-        Raises :class:`ReaderError` if the reader failed: every rank of the group
-        hears every header, so an error reaches the ranks a bucket skips too.
+        Returns the payload's view of ``buffer`` and the broadcast in flight,
+        which must be waited for before the payload is read. Raises
+        :class:`ReaderError` if the reader failed: every rank of the group hears
+        every header, so an error reaches the ranks a bucket skips too.
         """
         import torch
 
@@ -148,8 +164,7 @@ class Channel:
         if ranks not in self.receivers:
             return None
         payload = buffer[:nbytes]
-        self._broadcast(payload, self.receivers[ranks])
-        return payload
+        return payload, self._broadcast(payload, self.receivers[ranks], async_op=True)
 
     def _header(self, status: int, nbytes: int) -> tuple[int, int]:
         """Broadcast ``[status, nbytes]`` from the reader; what the reader sent, on every rank.
@@ -170,16 +185,24 @@ class Channel:
         received = header.tolist()
         return received[0], received[1]
 
-    def _broadcast(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+    def _broadcast(
+        self, tensor: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False
+    ) -> Any:
         import torch.distributed as dist
 
-        dist.broadcast(tensor, src=self.src, group=group)
+        return dist.broadcast(tensor, src=self.src, group=group, async_op=async_op)
 
 
 class Prefetcher:
-    """Reads the plan's buckets in a background thread, one bucket ahead of the sender."""
+    """Reads the plan's buckets in a background thread, ahead of the sender.
 
-    def __init__(self, reader: TensorReader, plan: Plan, *, pin: bool, timeout_s: float) -> None:
+    ``buffers`` host buffers take turns: one is filled while the others are
+    sent (on CPU, gloo sends straight from them) or copied to the GPU.
+    """
+
+    def __init__(
+        self, reader: TensorReader, plan: Plan, *, buffers: int, pin: bool, timeout_s: float
+    ) -> None:
         import torch
 
         self._reader = reader
@@ -187,7 +210,7 @@ class Prefetcher:
         self._timeout_s = timeout_s
         self._free: queue.Queue[tuple[torch.Tensor, Any] | None] = queue.Queue()
         self._ready: queue.Queue[tuple[torch.Tensor | None, BaseException | None]] = queue.Queue()
-        for _ in range(min(2, len(plan.buckets))):
+        for _ in range(min(buffers, len(plan.buckets))):
             buffer = torch.empty(plan.max_bucket_bytes, dtype=torch.uint8, pin_memory=pin)
             self._free.put((buffer, None))
         self._thread = threading.Thread(
