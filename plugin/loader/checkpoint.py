@@ -298,26 +298,6 @@ class TensorReader:
             entry.end - entry.start if entry.start >= 0 else out.numel() * ITEMSIZE[entry.dtype]
         )
 
-    def read_ahead(self, entry: TensorEntry, first_row: int, stop: int) -> None:
-        """Ask the kernel to start reading rows ``[first_row, stop)`` now, without waiting.
-
-        The prefetch thread hints the bucket after the one it is reading, so the
-        storage stays busy while the thread copies and the sender broadcasts; on a
-        cold page cache that hides most of the read latency. Only a hint:
-        ``.bin`` files and systems without ``posix_fadvise`` skip it.
-        """
-        if self.meta.format == "bin" or not hasattr(os, "posix_fadvise"):
-            return
-        rows = entry.row_range(first_row, stop)
-        if rows.end <= rows.start:  # a length of 0 would mean "to the end of the file"
-            return
-        os.posix_fadvise(
-            self._file(rows.file).fileno(),
-            rows.start,
-            rows.end - rows.start,
-            os.POSIX_FADV_WILLNEED,
-        )
-
     def close(self) -> None:
         for f in self._files.values():
             if hasattr(f, "close"):

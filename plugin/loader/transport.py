@@ -21,9 +21,10 @@ wait is bounded by the group's timeout.
 **Overlap.** Payloads are broadcast asynchronously, :data:`IN_FLIGHT` at a
 time: while bucket *i* travels, a receiver copies bucket *i - 1* into its
 parameters, and a background thread on the reader reads bucket *i + 1* (into
-host buffers, pinned when the parameters are on CUDA) and asks the kernel to
-read bucket *i + 2* ahead (``POSIX_FADV_WILLNEED``), so a cold page cache keeps
-the storage busy. Headers stay synchronous, and a header announces only a
+host buffers, pinned when the parameters are on CUDA). It reads each file front
+to back, so the kernel's sequential readahead keeps the storage busy on a cold
+page cache (an explicit ``POSIX_FADV_WILLNEED`` of the next bucket made cold
+loads slower). Headers stay synchronous, and a header announces only a
 payload that will be sent: when the reader fails, it first finishes the
 broadcasts in flight, then sends the error, so no rank is left waiting on a
 payload that never comes.
@@ -245,8 +246,7 @@ class Prefetcher:
         self._reader.close()
 
     def _run(self) -> None:
-        buckets = self._plan.buckets
-        for index, bucket in enumerate(buckets):
+        for bucket in self._plan.buckets:
             free = self._free.get()
             if free is None:
                 return
@@ -254,8 +254,6 @@ class Prefetcher:
             try:
                 if copied is not None:
                     copied.synchronize()
-                if index + 1 < len(buckets):
-                    read_ahead(self._reader, buckets[index + 1])
                 fill(self._reader, bucket, buffer)
             except BaseException as e:  # handed to the sender, which tells every rank
                 self._ready.put((None, e))
@@ -267,12 +265,6 @@ def fill(reader: TensorReader, bucket: Bucket, buffer: torch.Tensor) -> None:
     """Read every slot of ``bucket`` (a tensor or its rows) into ``buffer``, in the slot's dtype."""
     for slot in bucket.slots:
         reader.read_into(reader.meta.tensors[slot.name], slot_view(buffer, slot), slot.rows.start)
-
-
-def read_ahead(reader: TensorReader, bucket: Bucket) -> None:
-    """Let the kernel read ``bucket``'s bytes into the page cache while this one is copied."""
-    for slot in bucket.slots:
-        reader.read_ahead(reader.meta.tensors[slot.name], slot.rows.start, slot.rows.stop)
 
 
 def slot_view(buffer: torch.Tensor, slot: Slot) -> torch.Tensor:
