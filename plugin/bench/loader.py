@@ -174,19 +174,16 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="megastart-bench-") as tmp:
         workdir = args.workdir or Path(tmp)
         checkpoint = args.checkpoint or _make_checkpoint(args.arch, args.size_gb, workdir)
-        runs = [
-            measure(
-                checkpoint,
-                layout,
-                chosen,
-                page_cache=condition,
-                bucket_mb=args.bucket_mb,
-                repeats=args.repeats,
-                sample_s=args.sample_ms / 1e3,
-                timeout_s=args.timeout_s,
-            )
-            for condition in conditions
-        ]
+        runs = measure(
+            checkpoint,
+            layout,
+            chosen,
+            page_caches=conditions,
+            bucket_mb=args.bucket_mb,
+            repeats=args.repeats,
+            sample_s=args.sample_ms / 1e3,
+            timeout_s=args.timeout_s,
+        )
     results = runs[0]
     for other in runs[1:]:
         results[other["page_cache"]] = other
@@ -215,13 +212,14 @@ def measure(
     layout: Layout,
     strategies: tuple[str, ...],
     *,
-    page_cache: str = "warm",
+    page_caches: tuple[str, ...] = ("warm",),
     bucket_mb: int | None = None,
     repeats: int = 1,
     sample_s: float = 0.02,
     timeout_s: float = 600.0,
-) -> dict[str, Any]:
-    """Run the limits and every strategy; the results as plain data (the ``--json`` output)."""
+) -> list[dict[str, Any]]:
+    """Run the limits and every strategy, once per page-cache condition; the results as
+    plain data, one dict per condition (the ``--json`` output)."""
     from megastart.bench import limits
     from megastart.bench.strategies import checkpoint_files
     from megastart.loader.checkpoint import read_metadata
@@ -231,74 +229,90 @@ def measure(
     checkpoint_bytes = sum(os.path.getsize(f) for f in files)
     # Every strategy starts from the same state: the files cached, or dropped before each load.
     cached_read = limits.read_throughput(files)
-    before_read: Callable[[], None] = (
-        partial(limits.drop_from_page_cache, files) if page_cache == "cold" else _keep_cached
-    )
+    before_read: dict[str, Callable[[], None]] = {
+        condition: partial(limits.drop_from_page_cache, files)
+        if condition == "cold"
+        else _keep_cached
+        for condition in page_caches
+    }
     probe = min(BROADCAST_PROBE_BYTES, checkpoint_bytes)
     options = {"transport": "gloo", "progress": False, "timeout_s": timeout_s}
     if bucket_mb is not None:
         options["bucket_mb"] = bucket_mb
-    results: dict[str, Any] = {
-        "page_cache": page_cache,
-        "architecture": meta.architectures[0] if meta.architectures else None,
-        "layout": asdict(layout) | {"dp": layout.dp},
-        "checkpoint": str(checkpoint),
-        "checkpoint_bytes": checkpoint_bytes,
-        "checkpoint_tensors": len(meta.tensors),
-        "checkpoint_files": len(files),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "load_average_at_start": os.getloadavg()[0],
-        },
-        "megastart_settings": options,
-        "strategies": {},
+    results = {
+        condition: {
+            "page_cache": condition,
+            "architecture": meta.architectures[0] if meta.architectures else None,
+            "layout": asdict(layout) | {"dp": layout.dp},
+            "checkpoint": str(checkpoint),
+            "checkpoint_bytes": checkpoint_bytes,
+            "checkpoint_tensors": len(meta.tensors),
+            "checkpoint_files": len(files),
+            "machine": {
+                "cpus": os.cpu_count(),
+                "platform": platform.platform(),
+                "load_average_at_start": os.getloadavg()[0],
+            },
+            "megastart_settings": options,
+            "strategies": {},
+        }
+        for condition in page_caches
     }
     # The limits are measured next to every strategy (reads here, broadcasts in its world)
     # and the best kept: the machine is shared, and a limit is what it can do at best.
-    reads: list[tuple[int, float]] = []
+    reads: dict[str, list[tuple[int, float]]] = {condition: [] for condition in page_caches}
     broadcasts: list[float] = []
     for name in strategies:
-        for _ in range(3):
-            before_read()
-            reads.append(limits.read_throughput(files))
-        result, broadcast_s = _measure_strategy(
+        measured, broadcast_s = _measure_strategy(
             name,
             checkpoint,
             layout,
             options,
             before_load=before_read,
+            reads=lambda condition: reads[condition].extend(
+                _read_after(before_read[condition], files) for _ in range(3)
+            ),
             probe_bytes=probe,
             repeats=repeats,
             sample_s=sample_s,
             timeout_s=timeout_s,
         )
         broadcasts.append(broadcast_s)
-        log.info(
-            "%s: %.2f s, node peak %.2f GB, transient %.2f GB",
-            name,
-            result.wall_s,
-            result.node_peak_bytes / 1e9,
-            result.transient_bytes / 1e9,
-        )
-        results["strategies"][name] = asdict(result)
-    read_bytes, read_s = min(reads, key=lambda r: r[1])
+        for condition, result in measured.items():
+            log.info(
+                "%s, page cache %s: %.2f s, node peak %.2f GB, transient %.2f GB",
+                name,
+                condition,
+                result.wall_s,
+                result.node_peak_bytes / 1e9,
+                result.transient_bytes / 1e9,
+            )
+            results[condition]["strategies"][name] = asdict(result)
     broadcast_s = min(broadcasts)
-    results["limits"] = {
-        "read_gbps": read_bytes / read_s / 1e9,
-        "broadcast_gbps": probe / broadcast_s / 1e9,
-        "read_s": checkpoint_bytes / (read_bytes / read_s),
-        "broadcast_s": checkpoint_bytes / (probe / broadcast_s),
-        "broadcast_probe_bytes": probe,
-        "measurements": len(reads),
-        "page_cache_read_gbps": cached_read[0] / cached_read[1] / 1e9,
-    }
-    results["machine"]["load_average_at_end"] = os.getloadavg()[0]
-    reference = results["strategies"]["megastart"]["checksums"]
-    for result in results["strategies"].values():
-        result["weights_match_megastart"] = result["checksums"] == reference
-    results["targets"] = _targets(results)
-    return results
+    for condition, run in results.items():
+        read_bytes, read_s = min(reads[condition], key=lambda r: r[1])
+        run["limits"] = {
+            "read_gbps": read_bytes / read_s / 1e9,
+            "broadcast_gbps": probe / broadcast_s / 1e9,
+            "read_s": checkpoint_bytes / (read_bytes / read_s),
+            "broadcast_s": checkpoint_bytes / (probe / broadcast_s),
+            "broadcast_probe_bytes": probe,
+            "measurements": len(reads[condition]),
+            "page_cache_read_gbps": cached_read[0] / cached_read[1] / 1e9,
+        }
+        run["machine"]["load_average_at_end"] = os.getloadavg()[0]
+        reference = run["strategies"]["megastart"]["checksums"]
+        for result in run["strategies"].values():
+            result["weights_match_megastart"] = result["checksums"] == reference
+        run["targets"] = _targets(run)
+    return [results[condition] for condition in page_caches]
+
+
+def _read_after(before_read: Callable[[], None], files: list[str]) -> tuple[int, float]:
+    from megastart.bench import limits
+
+    before_read()
+    return limits.read_throughput(files)
 
 
 def _measure_strategy(
@@ -307,45 +321,51 @@ def _measure_strategy(
     layout: Layout,
     options: dict[str, Any],
     *,
-    before_load: Callable[[], None],
+    before_load: dict[str, Callable[[], None]],
+    reads: Callable[[str], None],
     probe_bytes: int,
     repeats: int,
     sample_s: float,
     timeout_s: float,
-) -> tuple[StrategyResult, float]:
+) -> tuple[dict[str, StrategyResult], float]:
     """One strategy in a fresh world, so no strategy inherits another's heap or state.
 
-    The first load measures memory, with the sampler reading every rank's full
-    PSS as often as it can; then ``repeats`` loads into the same model measure
-    time, with no sampler competing for the CPU, and the fastest is reported
-    (the one other processes on the machine disturbed least). ``before_load``
-    runs before each load (dropping the page cache). Also returns the fastest of
-    three gloo broadcasts of ``probe_bytes`` in this world, in seconds.
+    Per page-cache condition (the keys of ``before_load``, which runs before each
+    load: dropping the page cache, or nothing): ``reads(condition)`` measures
+    the read limit next to it; the first load measures memory, with the sampler
+    reading every rank's full PSS as often as it can; then ``repeats`` loads
+    into the same model measure time, with no sampler competing for the CPU,
+    and the fastest is reported (the one other processes on the machine
+    disturbed least). The conditions share the world: starting one costs more
+    than all of a small checkpoint's loads. Also returns the fastest of three
+    gloo broadcasts of ``probe_bytes`` in this world, in seconds.
     """
     from megastart.bench import limits, strategies
     from megastart.launch import RankPool
 
+    measured = {}
     with RankPool(layout.ranks, timeout_s=timeout_s) as pool:
         pids = pool.run(os.getpid)
         broadcast_s = max(pool.run(limits.broadcast_throughput, probe_bytes))
         pool.run(strategies.build_model, str(checkpoint), asdict(layout))
-        memory = _measure_memory(pool, pids, name, str(checkpoint), options, sample_s, before_load)
-        walls = []
-        for _ in range(repeats):
-            pool.run(strategies.settle)
-            before_load()
-            per_rank = pool.run(strategies.load, name, str(checkpoint), options)
-            walls.append(max(r["wall_s"] for r in per_rank))
-        checksums = pool.run(strategies.checksum)
+        for condition, before in before_load.items():
+            reads(condition)
+            memory = _measure_memory(pool, pids, name, str(checkpoint), options, sample_s, before)
+            walls = []
+            for _ in range(repeats):
+                pool.run(strategies.settle)
+                before()
+                per_rank = pool.run(strategies.load, name, str(checkpoint), options)
+                walls.append(max(r["wall_s"] for r in per_rank))
+            measured[condition] = StrategyResult(
+                implementation=strategies.IMPLEMENTATIONS[name],
+                wall_s=min(walls),
+                wall_s_runs=walls,
+                checksums=pool.run(strategies.checksum),
+                **memory,
+            )
         pool.run(strategies.teardown)
-    result = StrategyResult(
-        implementation=strategies.IMPLEMENTATIONS[name],
-        wall_s=min(walls),
-        wall_s_runs=walls,
-        checksums=checksums,
-        **memory,
-    )
-    return result, broadcast_s
+    return measured, broadcast_s
 
 
 def _measure_memory(
