@@ -262,6 +262,12 @@ def measure(
     # and the best kept: the machine is shared, and a limit is what it can do at best.
     reads: dict[str, list[tuple[int, float]]] = {condition: [] for condition in page_caches}
     broadcasts: list[float] = []
+
+    def measure_reads(condition: str) -> None:
+        for _ in range(3):
+            before_read[condition]()
+            reads[condition].append(limits.read_throughput(files))
+
     for name in strategies:
         measured, broadcast_s = _measure_strategy(
             name,
@@ -269,9 +275,7 @@ def measure(
             layout,
             options,
             before_load=before_read,
-            reads=lambda condition: reads[condition].extend(
-                _read_after(before_read[condition], files) for _ in range(3)
-            ),
+            reads=measure_reads,
             probe_bytes=probe,
             repeats=repeats,
             sample_s=sample_s,
@@ -306,13 +310,6 @@ def measure(
             result["weights_match_megastart"] = result["checksums"] == reference
         run["targets"] = _targets(run)
     return [results[condition] for condition in page_caches]
-
-
-def _read_after(before_read: Callable[[], None], files: list[str]) -> tuple[int, float]:
-    from megastart.bench import limits
-
-    before_read()
-    return limits.read_throughput(files)
 
 
 def _measure_strategy(
