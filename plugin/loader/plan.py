@@ -186,7 +186,9 @@ def build_plan(
     is broadcast to those ranks only: a pipeline stage's tensors do not cross
     the links of the other stages' ranks. Tensors travel in their consumers'
     dtype (in the checkpoint's where consumers disagree), ordered by file and
-    offset, so the reader reads each file front to back, and packed greedily.
+    offset, and packed greedily: one receiver set's buckets read their files
+    front to back; where sets interleave (expert-parallel ranks' experts), each
+    bucket skips the others' tensors.
     A tensor larger than a bucket travels as row blocks (dim-0 ranges) in
     consecutive buckets, so transient memory is set by ``bucket_bytes``, not by
     the largest tensor (an embedding); only a single row larger than a bucket

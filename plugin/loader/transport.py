@@ -21,10 +21,10 @@ wait is bounded by the group's timeout.
 **Overlap.** Payloads are broadcast asynchronously, :data:`IN_FLIGHT` at a
 time: while bucket *i* travels, a receiver copies bucket *i - 1* into its
 parameters, and a background thread on the reader reads bucket *i + 1* (into
-host buffers, pinned when the parameters are on CUDA). It reads each file front
-to back, so the kernel's sequential readahead keeps the storage busy on a cold
-page cache (an explicit ``POSIX_FADV_WILLNEED`` of the next bucket made cold
-loads slower). Headers stay synchronous, and a header announces only a
+host buffers, pinned when the parameters are on CUDA). It reads in the plan's
+file order and leaves read-ahead to the kernel on a cold page cache (an
+explicit ``POSIX_FADV_WILLNEED`` of the next bucket made cold loads slower;
+one pass over each file filling interleaved buckets side by side was no faster). Headers stay synchronous, and a header announces only a
 payload that will be sent: when the reader fails, it first finishes the
 broadcasts in flight, then sends the error, so no rank is left waiting on a
 payload that never comes.
