@@ -194,12 +194,16 @@ class _Steps:
         return out
 
     def memory_during(self, run: str, name: str) -> tuple[int, int]:
-        """Node memory at the start of step ``name`` of ``run``, and its peak during the step."""
+        """Node memory at the start of step ``name`` of ``run``, and its peak during the step.
+
+        The peak counts the start's level too: memory freed as the step begins
+        (a collection, the previous step's buffers) would make the load look as
+        if it added less than nothing.
+        """
         (start, end) = next((s, e) for r, n, s, e in self.records if (r, n) == (run, name))
         timeline = self.sampler.timeline
-        before = [b for t, b in timeline if t <= start][-1:] or [timeline[0][1]]
-        during = [b for t, b in timeline if start <= t <= end] or before
-        return before[0], max(during)
+        before = ([b for t, b in timeline if t <= start][-1:] or [timeline[0][1]])[0]
+        return before, max([before, *(b for t, b in timeline if start <= t <= end)])
 
 
 def _load_row(steps: _Steps, name: str, seconds: float, bytes_read: int) -> dict[str, Any]:
