@@ -24,10 +24,11 @@ parameters, and a background thread on the reader reads bucket *i + 1* (into
 host buffers, pinned when the parameters are on CUDA). It reads in the plan's
 file order and leaves read-ahead to the kernel on a cold page cache (an
 explicit ``POSIX_FADV_WILLNEED`` of the next bucket made cold loads slower;
-one pass over each file filling interleaved buckets side by side was no faster). Headers stay synchronous, and a header announces only a
-payload that will be sent: when the reader fails, it first finishes the
-broadcasts in flight, then sends the error, so no rank is left waiting on a
-payload that never comes.
+one pass over each file filling interleaved buckets side by side was no
+faster). Headers stay synchronous, and a header announces only a payload that
+will be sent: when the reader fails, it first finishes the broadcasts in
+flight, then sends the error, so no rank is left waiting on a payload that
+never comes.
 """
 
 from __future__ import annotations
