@@ -202,7 +202,7 @@ class _Steps:
         """
         (start, end) = next((s, e) for r, n, s, e in self.records if (r, n) == (run, name))
         timeline = self.sampler.timeline
-        before = ([b for t, b in timeline if t <= start][-1:] or [timeline[0][1]])[0]
+        before = next((b for t, b in reversed(timeline) if t <= start), timeline[0][1])
         return before, max([before, *(b for t, b in timeline if start <= t <= end)])
 
 
