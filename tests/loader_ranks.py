@@ -153,17 +153,17 @@ def load_while_a_rank_dies(
     import torch.distributed as dist
 
     from megastart import load_hf_checkpoint
-    from megastart.loader import api
+    from megastart.loader import stream
 
     if dist.get_rank() == dying_rank:
-        original = api._Stream._apply
+        original = stream.Stream._apply
 
         def apply_then_die(self: Any, index: int, payload: Any) -> None:
             if index == 1:
                 os._exit(7)
             original(self, index, payload)
 
-        api._Stream._apply = apply_then_die  # type: ignore[method-assign]
+        stream.Stream._apply = apply_then_die  # type: ignore[method-assign]
     with megatron(layout):
         load_hf_checkpoint(build(checkpoint), checkpoint, settings=settings(timeout_s=timeout_s))
 

@@ -318,7 +318,7 @@ def _with_tp_rank(shard: Shard, tp_rank: int) -> Shard:
 
 def _needs_by_chunk(chunks: list[Any]) -> list[tuple[list[Need], Shard]]:
     """This rank's needs per chunk, resolved exactly as megastart's loader resolves them."""
-    from megastart.loader.api import local_needs
+    from megastart.loader.model import local_needs
 
     _, _, shard, needs = local_needs(chunks, _STATE["meta"])
     return [([n for n in needs if n.param.chunk == i], shard) for i in range(len(chunks))]

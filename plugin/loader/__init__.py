@@ -1,8 +1,17 @@
 """The rank-0 loader: one reader streams an HF checkpoint into Megatron-core models.
 
-Modules, one concern each: ``settings`` (the ``rank0_loader`` section),
-``checkpoint`` (reading safetensors headers and tensors), ``mappings`` (HF <->
-Megatron name tables), ``plan`` (who needs which tensor, how transformed),
-``transport`` (the loader's own process group and bucket broadcast),
-``verify`` (coverage), ``api`` (``load_hf_checkpoint``).
+Modules, one concern each, in the order a load uses them:
+
+- ``settings``: the ``rank0_loader`` settings section;
+- ``checkpoint``: reading ``config.json``, safetensors headers and tensor bytes;
+- ``mappings``, ``mappings_moe``: HF <-> Megatron name tables, one per architecture;
+- ``experts``: expert-parallel numbering (local <-> global expert index);
+- ``transforms``: how HF tensors become a rank's parameter slice (QKV, gate/up, vocab);
+- ``model``: reading this rank's Megatron model (parameters, config, shard) against a checkpoint;
+- ``plan``: who needs which tensor, validated, packed into buckets;
+- ``transport``: the loader's process groups, bucket headers and broadcasts, the read-ahead;
+- ``stream``: the stream phase on one rank (read and send, or receive), applying buckets;
+- ``progress``: the reader's progress bar;
+- ``verify``: every parameter element written once (coverage);
+- ``api``: ``load_hf_checkpoint``, the phases, each all-or-none across ranks.
 """

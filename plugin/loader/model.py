@@ -1,0 +1,113 @@
+"""Reading this rank's Megatron model: its parameters, layout and shard, matched to a checkpoint.
+
+The loader's phases need, from the model built by the host, only plain data:
+each parameter's canonical name (global layer and expert numbers), shape and
+dtype; the ``TransformerConfig`` values the checkpoint's ``config.json`` is
+checked against; and this rank's tensor-parallel shard. Everything that looks
+inside Megatron-core objects is here, so the phases (``api``) and the stream
+(``stream``) handle names, shapes and tensors only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import TYPE_CHECKING, Any
+
+from megastart.loader.checkpoint import CheckpointMeta
+from megastart.loader.experts import check_expert_parallel, first_local_expert, global_expert_name
+from megastart.loader.mappings import MappingTable, known_architectures, mapping_for
+from megastart.loader.plan import Need, ParamInfo, PlanError, check_config, resolve_needs
+from megastart.loader.transforms import Shard
+
+if TYPE_CHECKING:
+    import torch
+
+
+class UnsupportedArchitecture(PlanError):
+    """No mapping table serves the checkpoint's architecture (the host's loader should run)."""
+
+
+def mapping_table(meta: CheckpointMeta) -> MappingTable:
+    """The first mapping table that serves one of ``config.json``'s architectures."""
+    for arch in meta.architectures:
+        table = mapping_for(arch)
+        if table is not None:
+            return table
+    raise UnsupportedArchitecture(
+        f"config.json of {meta.directory!r} names architectures {meta.architectures}, which no "
+        f"mapping table serves (known: {known_architectures()}); register one through the "
+        "entry-point group 'megastart.mappings'"
+    )
+
+
+def local_needs(
+    chunks: list[Any], meta: CheckpointMeta, table: MappingTable | None = None
+) -> tuple[list[ParamInfo], dict[tuple[int, str], torch.Tensor], Shard, list[Need]]:
+    """What this rank needs from the checkpoint, checked against it: no collective.
+
+    Returns this rank's parameters (canonical names), the tensors by ``(chunk,
+    local name)``, its tensor-parallel shard, and one :class:`Need` per
+    parameter: the HF tensors, the transform and the slice that fill it. Raises
+    :class:`PlanError` (this rank only) when the checkpoint's config or shapes do
+    not fit the model built. The benchmark's baselines use it too, so every
+    strategy writes exactly what the loader writes.
+    """
+    table = table or mapping_table(meta)
+    params, tensors = _local_params(chunks)
+    megatron = _megatron_config(chunks[0])
+    check_expert_parallel(meta.config, megatron, checkpoint=meta.directory)
+    check_config(table, meta.config, megatron, checkpoint=meta.directory)
+    shard = _shard(megatron)
+    return params, tensors, shard, resolve_needs(params, table, meta, shard)
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def _local_params(chunks: list[Any]) -> tuple[list[ParamInfo], dict[tuple[int, str], torch.Tensor]]:
+    """This rank's parameters with canonical names (global layer and expert numbers)."""
+    params: list[ParamInfo] = []
+    tensors: dict[tuple[int, str], torch.Tensor] = {}
+    for index, chunk in enumerate(chunks):
+        decoder = getattr(chunk, "decoder", None)
+        layers = getattr(decoder, "layers", [])
+        global_layer = {str(i): str(layer.layer_number - 1) for i, layer in enumerate(layers)}
+        first_expert = first_local_expert(_megatron_config(chunk))
+        for name, tensor in chunk.named_parameters():
+            canonical = global_expert_name(_canonical(name, global_layer), first_expert)
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            params.append(ParamInfo(index, name, canonical, tuple(tensor.shape), dtype))
+            tensors[(index, name)] = tensor
+    return params, tensors
+
+
+def _canonical(name: str, global_layer: dict[str, str]) -> str:
+    found = _LAYER.match(name)
+    return (
+        name if found is None else f"decoder.layers.{global_layer[found[1]]}.{name[found.end() :]}"
+    )
+
+
+def _megatron_config(chunk: Any) -> dict[str, Any]:
+    config = chunk.config
+    values = {f.name: getattr(config, f.name, None) for f in dataclasses.fields(config)}
+    values["share_embeddings_and_output_weights"] = getattr(
+        chunk, "share_embeddings_and_output_weights", None
+    )
+    return values
+
+
+def _shard(megatron: dict[str, Any]) -> Shard:
+    from megatron.core import parallel_state
+
+    heads = megatron["num_attention_heads"]
+    return Shard(
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+        num_heads=heads,
+        num_query_groups=megatron.get("num_query_groups") or heads,
+        head_dim=megatron.get("kv_channels") or megatron["hidden_size"] // heads,
+        expert_tp_rank=parallel_state.get_expert_tensor_parallel_rank(),
+        expert_tp_size=parallel_state.get_expert_tensor_parallel_world_size(),
+    )
