@@ -15,6 +15,7 @@ for the core section ``MEGASTART_ENABLED``, ``MEGASTART_DISABLE=1``,
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 import types
@@ -284,9 +285,12 @@ def _parse(where: str, hint: Any, raw: Any, *, from_env: bool) -> Any:
         if hint is not str and isinstance(raw, bool):
             raise SettingsError(f"{where}: expected {hint.__name__}, got {raw!r}")
         try:
-            return hint(raw.strip() if isinstance(raw, str) else raw)
+            value = hint(raw.strip() if isinstance(raw, str) else raw)
         except (TypeError, ValueError):
             raise SettingsError(f"{where}: expected {hint.__name__}, got {raw!r}") from None
+        if hint is float and not math.isfinite(value):
+            raise SettingsError(f"{where}: expected a finite number, got {raw!r}")
+        return value
     raise SettingsError(f"{where}: megastart cannot parse settings of type {hint!r}")
 
 

@@ -84,12 +84,14 @@ def test_index_naming_a_missing_shard_names_shard_and_tensors(tmp_path: Path) ->
     assert "b.weight" in str(e.value)
 
 
-def test_truncated_shard_names_file_tensor_and_sizes(tmp_path: Path) -> None:
+def test_truncated_shard_names_file_and_size(tmp_path: Path) -> None:
     directory = write_checkpoint(tmp_path / "ckpt", sample_tensors(), shards=1)
     shard = directory / "model-00001-of-00001.safetensors"
     shard.write_bytes(shard.read_bytes()[:-20])
     with pytest.raises(
-        CheckpointError, match=r"is truncated: tensor '.*' .* but the file has \d+ bytes"
+        CheckpointError,
+        match=r"\(\d+ bytes\) is not a valid safetensors file \(.*file not fully covered\); "
+        r"the file is corrupt or truncated",
     ):
         read_metadata(directory, allow_pickle=False)
 
@@ -100,7 +102,10 @@ def test_corrupt_header_is_reported(tmp_path: Path) -> None:
     data = bytearray(shard.read_bytes())
     data[8:12] = b"\xff\xfe{["
     shard.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=r"header is not valid JSON.*download it again"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"not a valid safetensors file.*invalid UTF-8 in header.*download it again",
+    ):
         read_metadata(directory, allow_pickle=False)
 
 
@@ -119,3 +124,17 @@ def test_pickle_checkpoint_refused_unless_allowed(tmp_path: Path) -> None:
     out = torch.empty(4, 3)
     TensorReader(meta).read_into(meta.tensors["a.weight"], out)
     assert torch.equal(out, tensors["a.weight"])
+
+
+def test_model_type_table_agrees_with_transformers_auto_classes() -> None:
+    """Without ``transformers`` the mapping tables' ``model_types`` pick the class; with it,
+    its ``AutoModelForCausalLM`` table does: both must agree for every mapped architecture."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from megastart.demo.checkpoints import ARCHITECTURES
+    from megastart.loader.mappings import architecture_for_model_type
+
+    for model_type, architecture in ARCHITECTURES.items():
+        assert architecture_for_model_type(model_type) == architecture
+        assert MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type] == architecture
+    assert architecture_for_model_type("bert") is None

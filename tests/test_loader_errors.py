@@ -140,7 +140,8 @@ def test_truncated_shard(pool: RankPool, checkpoint: Path) -> None:
     shard = sorted(checkpoint.glob("*.safetensors"))[-1]
     shard.write_bytes(shard.read_bytes()[:-100])
     message = same_on_every_rank(pool.run(load_expecting_error, str(checkpoint), TP2, {}))
-    assert f"'{shard}' is truncated" in message
+    assert f"'{shard}' ({shard.stat().st_size} bytes) is not a valid safetensors file" in message
+    assert "file not fully covered" in message and "corrupt or truncated" in message
 
 
 def test_corrupt_header(pool: RankPool, checkpoint: Path) -> None:
@@ -149,7 +150,8 @@ def test_corrupt_header(pool: RankPool, checkpoint: Path) -> None:
     data[8:16] = b"garbage!"
     shard.write_bytes(bytes(data))
     message = same_on_every_rank(pool.run(load_expecting_error, str(checkpoint), TP2, {}))
-    assert f"'{shard}': the safetensors header is not valid JSON" in message
+    assert f"'{shard}' ({shard.stat().st_size} bytes) is not a valid safetensors file" in message
+    assert "invalid JSON in header" in message
 
 
 def test_index_naming_a_missing_shard(pool: RankPool, checkpoint: Path) -> None:
@@ -221,3 +223,227 @@ def test_nccl_transport_needs_cuda_parameters(pool: RankPool, original: Any) -> 
         pool.run(load_expecting_error, str(original[0]), TP2, {"transport": "nccl"})
     )
     assert "transport=nccl needs CUDA parameters on every rank, found ['cpu']" in message
+
+
+def loads_like_the_original(pool: RankPool, checkpoint: Path, original: Any) -> None:
+    for _, logits in pool.run(load_and_forward, str(checkpoint), TP2, {}):
+        assert (logits - original[1]).abs().max().item() <= 1e-4
+
+
+def refused_quickly(
+    pool: RankPool,
+    checkpoint: Path,
+    overrides: dict[str, Any] | None = None,
+    build_from: Path | None = None,
+) -> str:
+    """The one message every rank raised, within a bound far below ``timeout_s`` (60 s)."""
+    start = time.monotonic()
+    messages = pool.run(
+        load_expecting_error, str(checkpoint), TP2, overrides or {}, str(build_from or checkpoint)
+    )
+    assert time.monotonic() - start < 30
+    return same_on_every_rank(messages)
+
+
+def move_shards_into(directory: Path, sub: str) -> list[str]:
+    """Move the shards into ``directory/sub`` and name them so in the index; the new names."""
+    index_path = directory / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    (directory / sub).mkdir()
+    for shard in set(index["weight_map"].values()):
+        (directory / shard).rename(directory / sub / shard)
+    index["weight_map"] = {n: f"{sub}/{f}" for n, f in index["weight_map"].items()}
+    index_path.write_text(json.dumps(index))
+    return sorted(set(index["weight_map"].values()))
+
+
+def test_index_naming_shards_in_a_subdirectory_reads_them_not_same_named_files_beside_it(
+    pool: RankPool, checkpoint: Path, original: Any, tmp_path: Path
+) -> None:
+    """transformers joins index names to the directory; a same-named file at the top
+    level (another checkpoint's weights) must not be read instead."""
+    from megastart.demo.checkpoints import make_checkpoint
+
+    move_shards_into(checkpoint, "sub")
+    other = make_checkpoint("llama", tmp_path / "other", tie_word_embeddings=False, seed=1)
+    for shard in other.glob("*.safetensors"):
+        shutil.copy(shard, checkpoint / shard.name)
+    assert sorted(p.name for p in checkpoint.glob("*.safetensors")) == sorted(
+        p.name for p in (checkpoint / "sub").glob("*.safetensors")
+    )
+    loads_like_the_original(pool, checkpoint, original)
+
+
+@pytest.mark.parametrize("escape", ["../outside", "/absolute"], ids=["dotdot", "absolute"])
+def test_index_naming_a_shard_outside_the_directory_is_refused_before_any_transfer(
+    pool: RankPool, checkpoint: Path, escape: str
+) -> None:
+    index_path = checkpoint / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    name, shard = next(iter(index["weight_map"].items()))
+    target = (checkpoint / shard).resolve()
+    outside = f"{checkpoint.parent}/{shard}" if escape == "/absolute" else f"../{shard}"
+    shutil.copy(target, checkpoint.parent / shard)  # the file exists there: still refused
+    index["weight_map"][name] = outside
+    index_path.write_text(json.dumps(index))
+    message = refused_quickly(pool, checkpoint)
+    assert "reading the metadata" in message
+    assert f"names shard {outside!r}, which lies outside the checkpoint directory" in message
+
+
+def test_hugging_face_cache_layout_with_symlinked_shards_loads(
+    pool: RankPool, original: Any, tmp_path: Path
+) -> None:
+    """``snapshots/<revision>/<file>`` are symlinks into ``../../blobs``, as huggingface_hub writes."""
+    cache = tmp_path / "models--test--llama"
+    snapshot = cache / "snapshots" / "0123abcd"
+    (cache / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for number, file in enumerate(sorted(original[0].iterdir())):
+        blob = cache / "blobs" / f"{number:040x}"
+        shutil.copy(file, blob)
+        (snapshot / file.name).symlink_to(Path("../../blobs") / blob.name)
+    assert all(p.is_symlink() for p in snapshot.iterdir())
+    loads_like_the_original(pool, snapshot, original)
+
+
+def rewrite_header(shard: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Edit a safetensors header; the tensor bytes stay as they are."""
+    data = shard.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + length])
+    edit(header)
+    text = json.dumps(header).encode()
+    text = text.ljust(-(-len(text) // 8) * 8)
+    shard.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + length :])
+
+
+def first_two_tensors(header: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    first, second = sorted(
+        (v for k, v in header.items() if k != "__metadata__"), key=lambda v: v["data_offsets"][0]
+    )[:2]
+    return first, second
+
+
+def share_offsets(header: dict[str, Any]) -> None:
+    first, second = first_two_tensors(header)
+    if first["shape"] == second["shape"]:
+        second["data_offsets"] = list(first["data_offsets"])
+    else:  # same byte range for a tensor of another shape: still two tensors on the same bytes
+        first["data_offsets"] = [0, first["data_offsets"][1]]
+        second["data_offsets"] = [0, second["data_offsets"][1] - second["data_offsets"][0]]
+
+
+def shift_by_four(header: dict[str, Any]) -> None:
+    first, _ = first_two_tensors(header)
+    first["data_offsets"] = [first["data_offsets"][0] + 4, first["data_offsets"][1] + 4]
+
+
+def negative_start(header: dict[str, Any]) -> None:
+    first, _ = first_two_tensors(header)
+    first["data_offsets"] = [-4, first["data_offsets"][1]]
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "reason"),
+    [
+        (share_offsets, "invalid offset for tensor"),
+        (shift_by_four, "invalid offset for tensor"),
+        (negative_start, "expected usize"),
+    ],
+    ids=["shared", "shifted", "negative"],
+)
+def test_corrupt_data_offsets_are_refused_as_safetensors_refuses_them(
+    pool: RankPool, checkpoint: Path, corrupt: Callable[[dict[str, Any]], None], reason: str
+) -> None:
+    from safetensors import SafetensorError, safe_open
+
+    shard = sorted(checkpoint.glob("*.safetensors"))[0]
+    rewrite_header(shard, corrupt)
+    with pytest.raises(SafetensorError, match=reason):  # the library's own verdict
+        safe_open(shard, framework="pt")
+    message = refused_quickly(pool, checkpoint)
+    assert f"'{shard}' ({shard.stat().st_size} bytes) is not a valid safetensors file" in message
+    assert reason in message
+    assert "download it again" in message
+
+
+def write_config(checkpoint: Path, config: Any) -> Path:
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    return checkpoint / "config.json"
+
+
+def test_config_that_is_not_an_object_is_named_with_the_fix(
+    pool: RankPool, checkpoint: Path, original: Any
+) -> None:
+    path = write_config(checkpoint, [json.loads((checkpoint / "config.json").read_text())])
+    message = refused_quickly(pool, checkpoint, build_from=original[0])
+    assert f"'{path}' holds a JSON list, not an object: write the model's config with" in message
+
+
+def test_architectures_that_is_a_string_is_named_with_the_fix(
+    pool: RankPool, checkpoint: Path
+) -> None:
+    config = json.loads((checkpoint / "config.json").read_text())
+    path = write_config(checkpoint, {**config, "architectures": "LlamaForCausalLM"})
+    message = refused_quickly(pool, checkpoint)
+    assert f"'{path}': 'architectures' must be a list of class names" in message
+    assert "got 'LlamaForCausalLM'" in message
+
+
+def as_pickle_shards(checkpoint: Path, contents: list[Any]) -> list[Path]:
+    """Replace the safetensors shards by ``.bin`` files holding ``contents`` (one per file)."""
+    for shard in checkpoint.glob("*.safetensors"):
+        shard.unlink()
+    (checkpoint / "model.safetensors.index.json").unlink()
+    files = [checkpoint / f"pytorch_model-{i + 1:05d}.bin" for i in range(len(contents))]
+    for file, content in zip(files, contents, strict=True):
+        torch.save(content, file)
+    return files
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        ({}, "holds an empty state dict (no tensors)"),
+        ([torch.ones(2)], "holds a list, not a state dict"),
+    ],
+    ids=["empty", "list"],
+)
+def test_pickle_file_that_is_not_a_state_dict_is_named_with_the_fix(
+    pool: RankPool, checkpoint: Path, content: Any, problem: str
+) -> None:
+    (file,) = as_pickle_shards(checkpoint, [content])
+    message = refused_quickly(pool, checkpoint, {"allow_pickle": True})
+    assert f"'{file}' {problem}; save the model's state dict" in message
+
+
+def test_tensor_in_two_pickle_shards_is_named_with_both_files(
+    pool: RankPool, checkpoint: Path
+) -> None:
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in checkpoint.glob("*.safetensors"):
+        tensors |= load_file(shard)
+    name = "model.norm.weight"
+    first, second = as_pickle_shards(checkpoint, [tensors, {name: torch.zeros_like(tensors[name])}])
+    message = refused_quickly(pool, checkpoint, {"allow_pickle": True})
+    assert f"tensor {name!r} is stored twice: in {first.name!r} and in {second.name!r}" in message
+
+
+def test_config_without_architectures_resolves_it_from_model_type(
+    pool: RankPool, checkpoint: Path, original: Any
+) -> None:
+    """A config saved from a config object (no ``architectures``) loads as transformers loads it."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(checkpoint)
+    config.architectures = None
+    config.save_pretrained(checkpoint)
+    saved = json.loads((checkpoint / "config.json").read_text())
+    assert not saved.get("architectures") and saved["model_type"] == "llama"
+    from loader_ranks import reference_logits
+
+    assert (
+        reference_logits(checkpoint) - original[1]
+    ).abs().max().item() == 0  # transformers loads it
+    loads_like_the_original(pool, checkpoint, original)

@@ -2,9 +2,14 @@
 
 Only the reader rank touches the files. :func:`read_metadata` reads the config
 and the headers (a few KiB per shard) and checks everything that can be checked
-without reading the tensors: the index names existing shards, every tensor's
-bytes lie inside its file, dtypes are known. :class:`TensorReader` then reads
-one tensor's bytes straight into a caller's buffer (a slice of a bucket).
+without reading the tensors: the index names existing shards inside the
+checkpoint directory, each header passes ``safetensors``' own validation
+(offsets start at 0, contiguous, non-overlapping, each tensor's byte size is
+its shape times its dtype's, the data covers the file), dtypes are known. The
+offsets themselves the library does not expose, so they are parsed here.
+:class:`TensorReader` then reads one tensor's bytes straight into a caller's
+buffer (a slice of a bucket), from the file the index names, relative to the
+checkpoint directory: the file that was validated.
 
 ``.bin`` (pickle) checkpoints are refused unless ``allow_pickle`` is set; then
 they are read with ``torch.load(weights_only=True, mmap=True)``.
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 import struct
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -24,7 +30,6 @@ if TYPE_CHECKING:
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
-_MAX_HEADER_BYTES = 100 * 2**20
 
 _SAFETENSORS_DTYPES = {
     "F64": "float64",
@@ -52,6 +57,7 @@ class TensorEntry:
 
     name: str
     file: str
+    """Path relative to the checkpoint directory, as the index names it (``sub/x.safetensors``)."""
     dtype: str
     shape: tuple[int, ...]
     start: int = -1
@@ -84,10 +90,9 @@ class CheckpointMeta:
     tensors: dict[str, TensorEntry]
     format: str
     """``"safetensors"`` or ``"bin"``."""
-
-    @property
-    def architectures(self) -> list[str]:
-        return list(self.config.get("architectures") or [])
+    architectures: tuple[str, ...] = ()
+    """``config.json``'s ``architectures``, or where it has none, the class
+    ``transformers``' Auto classes pick for its ``model_type``."""
 
 
 def read_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
@@ -105,19 +110,27 @@ def read_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
             "to check that the checkpoint matches the model that was built"
         )
     try:
-        return json.loads(config_path.read_text())
+        config = json.loads(config_path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{str(config_path)!r} is not valid JSON: {e}") from e
+    if not isinstance(config, dict):
+        raise CheckpointError(
+            f"{str(config_path)!r} holds a JSON {type(config).__name__}, not an object: write "
+            "the model's config with transformers' save_pretrained (a JSON object with "
+            "model_type, hidden_size, ...)"
+        )
+    return config
 
 
 def read_metadata(directory: str | os.PathLike[str], *, allow_pickle: bool) -> CheckpointMeta:
     """The config and the header of every shard, checked; reads no tensor data."""
     path = Path(directory)
     config = read_config(path)
+    architectures = resolve_architectures(config, path / "config.json")
     safetensors_files = _shard_files(path, SAFETENSORS_INDEX, "*.safetensors")
     if safetensors_files:
         tensors = _safetensors_entries(path, safetensors_files)
-        return CheckpointMeta(str(path), config, tensors, "safetensors")
+        return CheckpointMeta(str(path), config, tensors, "safetensors", architectures)
     bin_files = _shard_files(path, BIN_INDEX, "*.bin")
     if not bin_files:
         raise CheckpointError(
@@ -130,22 +143,64 @@ def read_metadata(directory: str | os.PathLike[str], *, allow_pickle: bool) -> C
             "checkpoint to safetensors, or set rank0_loader.allow_pickle=true "
             "(MEGASTART_RANK0_LOADER_ALLOW_PICKLE=1) to read it with torch.load(weights_only=True)"
         )
-    return CheckpointMeta(str(path), config, _bin_entries(path, bin_files), "bin")
+    return CheckpointMeta(str(path), config, _bin_entries(path, bin_files), "bin", architectures)
+
+
+def resolve_architectures(config: dict[str, Any], config_path: Path) -> tuple[str, ...]:
+    """``architectures`` of ``config.json``; where missing or empty, the one ``model_type`` maps to.
+
+    A config written from a config object, or by a conversion, may carry only
+    ``model_type``; ``transformers``' ``AutoModelForCausalLM`` then picks the
+    class from its own table, and so does this (imported only here, on the
+    reader, and only then), else from the mapping tables' ``model_types``.
+    """
+    architectures = config.get("architectures")
+    if architectures and (
+        not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures)
+    ):
+        raise CheckpointError(
+            f"{str(config_path)!r}: 'architectures' must be a list of class names, e.g. "
+            f'["LlamaForCausalLM"], got {architectures!r}; fix the file (transformers\' '
+            "save_pretrained writes a list)"
+        )
+    if architectures:
+        return tuple(architectures)
+    model_type = config.get("model_type")
+    found = causal_lm_for_model_type(model_type) if isinstance(model_type, str) else None
+    if found is None:
+        raise CheckpointError(
+            f"{str(config_path)!r} names no 'architectures', and its model_type {model_type!r} "
+            'maps to no causal-LM class; add e.g. "architectures": ["LlamaForCausalLM"] '
+            "to the file"
+        )
+    return (found,)
+
+
+def causal_lm_for_model_type(model_type: str) -> str | None:
+    """The ``AutoModelForCausalLM`` class name for ``model_type`` (``None``: none known)."""
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:
+        from megastart.loader.mappings import architecture_for_model_type
+
+        return architecture_for_model_type(model_type)
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
 
 
 def _shard_files(path: Path, index_name: str, pattern: str) -> list[str]:
-    """The shard files: those the index names (each must exist), else every file matching."""
+    """The shard files, relative to ``path``: those the index names (each must exist
+    inside ``path``), else every file matching ``pattern`` at its top level."""
     index_path = path / index_name
     if not index_path.is_file():
         return sorted(p.name for p in path.glob(pattern))
     try:
         weight_map = json.loads(index_path.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        files = sorted({_inside(path, index_path, f) for f in weight_map.values()})
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(
             f"{str(index_path)!r} is not a valid index (expected a JSON object with a "
-            f"'weight_map'): {e}"
+            f"'weight_map' of tensor name -> shard file): {e!r}"
         ) from e
-    files = sorted(set(weight_map.values()))
     missing = [f for f in files if not (path / f).is_file()]
     if missing:
         names = [n for n, f in weight_map.items() if f == missing[0]][:3]
@@ -157,80 +212,86 @@ def _shard_files(path: Path, index_name: str, pattern: str) -> list[str]:
     return files
 
 
+def _inside(path: Path, index_path: Path, file: str) -> str:
+    """``file`` as the index names it, normalised; refused if it leaves ``path``.
+
+    The check is on the name, not on where symlinks point: a Hugging Face cache
+    snapshot's files are links into ``../../blobs``, and load like any file.
+    """
+    if not isinstance(file, str):
+        raise TypeError(f"shard names must be strings, got {file!r}")
+    normal = posixpath.normpath(file)
+    if posixpath.isabs(normal) or normal == ".." or normal.startswith("../"):
+        raise CheckpointError(
+            f"{str(index_path)!r} names shard {file!r}, which lies outside the checkpoint "
+            f"directory {str(path)!r}; shard names must be relative paths inside it "
+            '("model-00001-of-00002.safetensors", "sub/model.safetensors"): fix the index'
+        )
+    return normal
+
+
 def _safetensors_entries(path: Path, files: list[str]) -> dict[str, TensorEntry]:
     entries: dict[str, TensorEntry] = {}
     for file in files:
-        for entry in _read_header(path / file):
-            if entry.name in entries:
-                raise CheckpointError(
-                    f"tensor {entry.name!r} is stored twice: in {entries[entry.name].file!r} "
-                    f"and in {file!r} (directory {str(path)!r})"
-                )
-            entries[entry.name] = entry
+        for entry in _read_header(path, file):
+            _add(entries, entry, path)
     return entries
 
 
-def _read_header(file: Path) -> list[TensorEntry]:
-    """Parse one safetensors header and check every tensor's bytes lie inside the file."""
-    size = file.stat().st_size
-    remedy = "the file is corrupt or truncated: download it again"
-    with open(file, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise CheckpointError(
-                f"{str(file)!r} has {size} bytes, too few for a safetensors header; {remedy}"
-            )
-        (header_len,) = struct.unpack("<Q", raw)
-        if header_len > min(_MAX_HEADER_BYTES, size - 8):
-            raise CheckpointError(
-                f"{str(file)!r}: its header claims {header_len} bytes but the file has {size}; {remedy}"
-            )
-        try:
-            header = json.loads(f.read(header_len))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(
-                f"{str(file)!r}: the safetensors header is not valid JSON ({e}); {remedy}"
-            ) from e
-    if not isinstance(header, dict):
+def _add(entries: dict[str, TensorEntry], entry: TensorEntry, path: Path) -> None:
+    if entry.name in entries:
         raise CheckpointError(
-            f"{str(file)!r}: the safetensors header is not a JSON object; {remedy}"
+            f"tensor {entry.name!r} is stored twice: in {entries[entry.name].file!r} "
+            f"and in {entry.file!r} (directory {str(path)!r}); a checkpoint holds each tensor "
+            "once: remove the stale shard, or fix the index"
         )
+    entries[entry.name] = entry
+
+
+def _read_header(path: Path, name: str) -> list[TensorEntry]:
+    """One shard's tensors: validated by ``safetensors`` itself, offsets parsed here."""
+    file = path / name
+    _validate(file)
+    with open(file, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
     base = 8 + header_len
     entries = []
-    for name, info in header.items():
-        if name == "__metadata__":
+    for tensor, info in header.items():
+        if tensor == "__metadata__":
             continue
-        try:
-            dtype = _SAFETENSORS_DTYPES[info["dtype"]]
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
+        if info["dtype"] not in _SAFETENSORS_DTYPES:
             raise CheckpointError(
-                f"{str(file)!r}: bad header entry for tensor {name!r}: {info!r} ({e}); {remedy}"
-            ) from e
-        entry = TensorEntry(name, file.name, dtype, shape, base + begin, base + end)
-        if base + end > size:
-            raise CheckpointError(
-                f"{str(file)!r} is truncated: tensor {name!r} {list(shape)} needs bytes "
-                f"{base + begin}..{base + end} but the file has {size} bytes; {remedy}"
+                f"{str(file)!r}: tensor {tensor!r} has dtype {info['dtype']}, which the loader "
+                f"cannot read (known: {sorted(_SAFETENSORS_DTYPES)}); convert the checkpoint"
             )
-        if end - begin != entry.numel * ITEMSIZE[dtype]:
-            raise CheckpointError(
-                f"{str(file)!r}: tensor {name!r} of shape {list(shape)} and dtype {dtype} "
-                f"should take {entry.numel * ITEMSIZE[dtype]} bytes, the header says {end - begin}; {remedy}"
-            )
-        entries.append(entry)
+        begin, end = info["data_offsets"]
+        shape = tuple(info["shape"])
+        dtype = _SAFETENSORS_DTYPES[info["dtype"]]
+        entries.append(TensorEntry(tensor, name, dtype, shape, base + begin, base + end))
     return entries
+
+
+def _validate(file: Path) -> None:
+    """Raise unless ``safetensors`` accepts the file (it maps the file and reads only the header)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(file, framework="pt"):
+            pass
+    except Exception as e:  # SafetensorError, or an OSError from mapping the file
+        raise CheckpointError(
+            f"{str(file)!r} ({file.stat().st_size} bytes) is not a valid safetensors file ({e}); "
+            "the file is corrupt or truncated: download it again"
+        ) from e
 
 
 def _bin_entries(path: Path, files: list[str]) -> dict[str, TensorEntry]:
-
     entries: dict[str, TensorEntry] = {}
     for file in files:
         for name, tensor in _load_bin(path / file).items():
             dtype = str(tensor.dtype).removeprefix("torch.")
-            entries[name] = TensorEntry(name, file, dtype, tuple(tensor.shape))
-        del tensor
+            _add(entries, TensorEntry(name, file, dtype, tuple(tensor.shape)), path)
     return entries
 
 
@@ -238,11 +299,27 @@ def _load_bin(file: Path) -> dict[str, torch.Tensor]:
     import torch
 
     try:
-        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
         raise CheckpointError(
             f"{str(file)!r} could not be read with torch.load(weights_only=True): {e}"
         ) from e
+    fix = "save the model's state dict (tensor name -> tensor) with torch.save, or convert to safetensors"
+    if not isinstance(state, dict):
+        raise CheckpointError(
+            f"{str(file)!r} holds a {type(state).__name__}, not a state dict; {fix}"
+        )
+    if not state:
+        raise CheckpointError(f"{str(file)!r} holds an empty state dict (no tensors); {fix}")
+    odd = next(
+        (k for k, v in state.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)),
+        None,
+    )
+    if odd is not None:
+        raise CheckpointError(
+            f"{str(file)!r} holds {odd!r} -> {type(state[odd]).__name__}, not tensor name -> tensor; {fix}"
+        )
+    return state
 
 
 ITEMSIZE = {

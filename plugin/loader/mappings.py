@@ -62,6 +62,10 @@ class MappingTable:
     ignored: tuple[str, ...] = ()
     """Regexes of HF tensors that are expected in checkpoints but feed no parameter."""
 
+    model_types: tuple[str, ...] = ()
+    """``config.json`` ``model_type`` values whose causal LM is this table's architecture:
+    used for configs without ``architectures`` when ``transformers`` is not installed."""
+
     _compiled: list[tuple[re.Pattern[str], Rule]] = field(
         default_factory=list, compare=False, repr=False
     )
@@ -164,13 +168,25 @@ DENSE_CONFIG_CHECKS = (
 
 _IGNORED = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
 
-LLAMA = MappingTable(("LlamaForCausalLM",), DENSE_DECODER_RULES, DENSE_CONFIG_CHECKS, _IGNORED)
-MISTRAL = MappingTable(("MistralForCausalLM",), DENSE_DECODER_RULES, DENSE_CONFIG_CHECKS, _IGNORED)
+LLAMA = MappingTable(
+    ("LlamaForCausalLM",), DENSE_DECODER_RULES, DENSE_CONFIG_CHECKS, _IGNORED, ("llama",)
+)
+MISTRAL = MappingTable(
+    ("MistralForCausalLM",), DENSE_DECODER_RULES, DENSE_CONFIG_CHECKS, _IGNORED, ("mistral",)
+)
 QWEN2 = MappingTable(
-    ("Qwen2ForCausalLM",), DENSE_DECODER_RULES + QKV_BIAS_RULES, DENSE_CONFIG_CHECKS, _IGNORED
+    ("Qwen2ForCausalLM",),
+    DENSE_DECODER_RULES + QKV_BIAS_RULES,
+    DENSE_CONFIG_CHECKS,
+    _IGNORED,
+    ("qwen2",),
 )
 QWEN3 = MappingTable(
-    ("Qwen3ForCausalLM",), DENSE_DECODER_RULES + QK_NORM_RULES, DENSE_CONFIG_CHECKS, _IGNORED
+    ("Qwen3ForCausalLM",),
+    DENSE_DECODER_RULES + QK_NORM_RULES,
+    DENSE_CONFIG_CHECKS,
+    _IGNORED,
+    ("qwen3",),
 )
 
 BUILTIN_TABLES = (LLAMA, MISTRAL, QWEN2, QWEN3)
@@ -179,6 +195,18 @@ BUILTIN_TABLES = (LLAMA, MISTRAL, QWEN2, QWEN3)
 def mapping_for(architecture: str) -> MappingTable | None:
     """The table for ``architecture`` (registered ones first), or ``None``."""
     return _registry().get(architecture)
+
+
+def architecture_for_model_type(model_type: str) -> str | None:
+    """The architecture of the table that declares ``model_type`` (``None``: none does)."""
+    return next(
+        (
+            table.architectures[0]
+            for table in _registry().values()
+            if model_type in table.model_types
+        ),
+        None,
+    )
 
 
 def known_architectures() -> list[str]:

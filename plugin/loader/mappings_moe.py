@@ -87,6 +87,7 @@ QWEN3_MOE = MappingTable(
     (*DENSE_DECODER_RULES, *QK_NORM_RULES, *QWEN_EXPERT_RULES),
     (*MOE_CONFIG_CHECKS, ("moe_intermediate_size", "moe_ffn_hidden_size")),
     _IGNORED,
+    ("qwen3_moe",),
 )
 QWEN2_MOE = MappingTable(
     ("Qwen2MoeForCausalLM",),
@@ -97,12 +98,14 @@ QWEN2_MOE = MappingTable(
         ("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size"),
     ),
     _IGNORED,
+    ("qwen2_moe",),
 )
 MIXTRAL = MappingTable(
     ("MixtralForCausalLM",),
     (*DENSE_DECODER_RULES, *MIXTRAL_EXPERT_RULES),
     (*MOE_CONFIG_CHECKS, ("intermediate_size", "moe_ffn_hidden_size")),
     _IGNORED,
+    ("mixtral",),
 )
 
 MOE_TABLES = (QWEN3_MOE, QWEN2_MOE, MIXTRAL)

@@ -35,7 +35,7 @@ def mapping_table(meta: CheckpointMeta) -> MappingTable:
         if table is not None:
             return table
     raise UnsupportedArchitecture(
-        f"config.json of {meta.directory!r} names architectures {meta.architectures}, which no "
+        f"config.json of {meta.directory!r} names architectures {list(meta.architectures)}, which no "
         f"mapping table serves (known: {known_architectures()}); register one through the "
         "entry-point group 'megastart.mappings'"
     )

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
+
+BUCKET_MB_RANGE = (0.01, 1024.0)
+"""The ``bucket_mb`` values accepted (MiB), see :attr:`Rank0LoaderSettings.bucket_mb`."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -24,7 +28,11 @@ class Rank0LoaderSettings:
     than 64 or 256 (smaller messages let the read of the next bucket and the
     broadcast tree's hops overlap sooner) and keeps the transient node memory near
     0.17 GB, over 20x below every rank loading the checkpoint; 32 MiB messages
-    already reach a broadcast's bandwidth (gloo here, NCCL on NVLink)."""
+    already reach a broadcast's bandwidth (gloo here, NCCL on NVLink).
+    Accepted: 0.01 to 1024. Below 10 KiB each bucket's fixed cost (a header
+    broadcast, a read call) outweighs its bytes; above 1 GiB the memory bound
+    stops being one: every rank of a node holds two buckets (on CUDA two more on
+    its GPU), 16 GiB and more on an 8-GPU node, for no faster transfer."""
 
     timeout_s: float = 300.0
     """Upper bound on any single collective of the load."""
@@ -39,7 +47,14 @@ class Rank0LoaderSettings:
     """Show a progress bar on the reader (log lines when not on a terminal)."""
 
     def __post_init__(self) -> None:
-        if self.bucket_mb <= 0:
-            raise ValueError(f"bucket_mb must be positive, got {self.bucket_mb}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        low, high = BUCKET_MB_RANGE
+        if not low <= self.bucket_mb <= high:  # also refuses nan
+            raise ValueError(
+                f"rank0_loader.bucket_mb (MEGASTART_RANK0_LOADER_BUCKET_MB) must be between "
+                f"{low:g} and {high:g} MiB, got {self.bucket_mb}"
+            )
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ValueError(
+                "rank0_loader.timeout_s (MEGASTART_RANK0_LOADER_TIMEOUT_S) must be a positive, "
+                f"finite number of seconds, got {self.timeout_s}"
+            )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -28,8 +29,11 @@ class CommWarmupSettings:
     (grad-norm, metrics) use the smallest size only."""
 
     def __post_init__(self) -> None:
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ValueError(
+                "comm_warmup.timeout_s (MEGASTART_COMM_WARMUP_TIMEOUT_S) must be a positive, "
+                f"finite number of seconds, got {self.timeout_s}"
+            )
         if not self.message_bytes or min(self.message_bytes) < 64:
             raise ValueError(
                 f"message_bytes must list at least one size of 64 bytes or more, "
