@@ -155,3 +155,41 @@ def test_value_rejected_by_the_section_names_the_constraint():
 def test_section_must_be_a_mapping():
     with pytest.raises(SettingsError, match="must be a mapping"):
         resolve(["enabled"], environ={}, sections=SECTIONS)
+
+
+@pytest.mark.parametrize("field", ["BUCKET_MB", "TIMEOUT_S"])
+@pytest.mark.parametrize("raw", ["nan", "inf", "-inf", "NaN"])
+def test_non_finite_numbers_are_refused_naming_the_variable(field, raw):
+    from megastart.loader.settings import Rank0LoaderSettings
+
+    var = f"MEGASTART_RANK0_LOADER_{field}"
+    with pytest.raises(SettingsError, match=rf"{var}='{raw}': expected a finite number"):
+        resolve(None, environ={var: raw}, sections={"rank0_loader": Rank0LoaderSettings})
+
+
+@pytest.mark.parametrize("value", [1e12, 2048, 0.001, 0, -1])
+def test_bucket_mb_outside_its_range_names_setting_variable_and_range(value):
+    from megastart.loader.settings import Rank0LoaderSettings
+
+    with pytest.raises(
+        SettingsError,
+        match=r"rank0_loader.bucket_mb \(MEGASTART_RANK0_LOADER_BUCKET_MB\) must be between "
+        rf"0.01 and 1024 MiB, got {value}",
+    ):
+        resolve(
+            {"rank0_loader": {"bucket_mb": value}},
+            environ={},
+            sections={"rank0_loader": Rank0LoaderSettings},
+        )
+
+
+def test_settings_built_directly_refuse_nan_too():
+    from megastart.loader.settings import Rank0LoaderSettings
+    from megastart.warmup.settings import CommWarmupSettings
+
+    with pytest.raises(ValueError, match=r"MEGASTART_RANK0_LOADER_BUCKET_MB.*got nan"):
+        Rank0LoaderSettings(bucket_mb=float("nan"))
+    with pytest.raises(ValueError, match=r"MEGASTART_RANK0_LOADER_TIMEOUT_S.*finite.*got inf"):
+        Rank0LoaderSettings(timeout_s=float("inf"))
+    with pytest.raises(ValueError, match=r"MEGASTART_COMM_WARMUP_TIMEOUT_S.*finite.*got nan"):
+        CommWarmupSettings(timeout_s=float("nan"))
