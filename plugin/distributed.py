@@ -6,14 +6,22 @@ bounded by ``timeout_s``) on whether any of them failed. If one did, every rank
 raises the same :class:`CollectiveError`, naming the rank and its error. A rank
 that died or never arrived makes the others raise after ``timeout_s`` instead of
 hanging.
+
+A call that streams data also keeps a :class:`Board` in torch.distributed's
+store: ranks check in there before any process group is made (so a rank that
+never comes is named), a failing rank announces its error there at once, and
+every wait of the call looks at it (so no rank waits ``timeout_s`` on a peer
+that has already given up). :class:`Sticky` makes a call that failed in a
+process fail at once when it is made again.
 """
 
 from __future__ import annotations
 
 import datetime
 import threading
+import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +31,176 @@ if TYPE_CHECKING:
 
 class CollectiveError(RuntimeError):
     """A megastart collective failed on at least one rank; raised on every rank."""
+
+
+class PeerFailed(CollectiveError):
+    """This rank stopped because another rank announced its failure on the :class:`Board`."""
+
+
+class Stalled(CollectiveError):
+    """A wait took longer than ``timeout_s``; the message names what was waited for."""
+
+
+class FailedBefore(CollectiveError):
+    """A megastart call was made again in a process where it had failed (:class:`Sticky`)."""
+
+
+POLL_S = 0.1
+"""How long a wait blocks before it looks at the :class:`Board` again."""
+
+_calls: dict[str, int] = {}
+"""How many :class:`Board` s this process made per call name."""
+
+
+class Board:
+    """What the ranks of one collective call tell each other outside of any collective.
+
+    A rank blocked in a broadcast cannot hear an error raised on another rank,
+    and a process group's timeout cannot say which rank never came. So each call
+    keeps a few keys in torch.distributed's default store, under
+    ``megastart/<what>/<n>/`` (``n`` counts this process's calls of ``what``: the
+    same on every rank while the ranks call together): which ranks arrived, and
+    the first failure any rank announced. Every wait of the call blocks
+    :data:`POLL_S` at a time and looks at the board in between, so a failure
+    anywhere stops it within a slice; a wait that outlasts ``timeout_s`` is
+    announced as a failure of its own, naming what it waited for. A store round
+    trip per slice is all it costs.
+    """
+
+    def __init__(self, what: str) -> None:
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        number = _calls[what] = _calls.get(what, 0) + 1
+        self.what = what
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.timeout_s = float("inf")
+        self._store = dist.PrefixStore(f"megastart/{what}/{number}/", _get_default_store())
+
+    def announce(self, error: BaseException) -> None:
+        """Tell every rank that this one failed; the first failure announced is the one named."""
+        if not isinstance(error, PeerFailed):
+            self._store.compare_set("failed", "", f"rank {self.rank}: {_describe(error)}")
+
+    def failure(self) -> str | None:
+        """``"rank R: error"`` of the first failure announced, or ``None``."""
+        if not self._store.check(["failed"]):
+            return None
+        return bytes(self._store.get("failed")).decode()
+
+    @contextmanager
+    def announcing(self) -> Iterator[None]:
+        """Announce any error that leaves the block (it is raised as it is)."""
+        try:
+            yield
+        except BaseException as e:
+            self.announce(e)
+            raise
+
+    def check_in(self, timeout_s: float) -> None:
+        """Wait until every rank has started the call, at most ``timeout_s``; else name those
+        that did not, on every rank (a latecomer too, at once).
+
+        Call it before making any process group: creating one with a rank
+        missing would wait in vain, and would leave the ranks' group counters
+        apart, so the host's next ``new_group`` would hang as well.
+        """
+        self.timeout_s = timeout_s
+        self._store.set(f"arrived/{self.rank}", "1")
+        if self._store.add("arrived", 1) == self.world:
+            self._store.compare_set("start", "", "go")
+        try:
+            self.wait(lambda slice_s: self._has("start", slice_s), "every rank to start")
+        except Stalled:
+            missing = [r for r in range(self.world) if not self._store.check([f"arrived/{r}"])]
+            self._store.compare_set(
+                "start",
+                "",
+                f"rank(s) {missing} did not start it within timeout_s={timeout_s:g} s (died, "
+                "hung, or never called it); no process group was made",
+            )
+        start = bytes(self._store.get("start")).decode()
+        if start != "go":
+            raise CollectiveError(f"{self.what}: {start}")
+
+    def wait(
+        self, ready: Callable[[float], bool], what: str, *, timeout_s: float | None = None
+    ) -> None:
+        """Until ``ready(slice_s)`` is true (it may block ``slice_s`` seconds).
+
+        :raises PeerFailed: within a slice of any rank announcing a failure.
+        :raises Stalled: after ``timeout_s`` (default: the call's), naming ``what``;
+            announced first, so the others stop at once.
+        """
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
+        while not ready(POLL_S):
+            failure = self.failure()
+            if failure is not None:
+                raise PeerFailed(f"{self.what} failed on {failure}")
+            if time.monotonic() >= deadline:
+                stalled = Stalled(f"rank {self.rank} waited timeout_s={limit:g} s for {what}")
+                self.announce(stalled)
+                raise stalled
+
+    def wait_work(self, work: Any, what: str) -> None:
+        """:meth:`wait` for a gloo ``Work`` (its own errors are raised as they are)."""
+
+        def done(slice_s: float) -> bool:
+            try:
+                work.wait(datetime.timedelta(seconds=slice_s))
+            except RuntimeError:
+                if not work.is_completed():
+                    return False
+                work.wait()  # completed in between, or failed: its own outcome
+            return True
+
+        self.wait(done, what)
+
+    def _has(self, key: str, slice_s: float) -> bool:
+        try:
+            self._store.wait([key], datetime.timedelta(seconds=slice_s))
+        except Exception:  # a timeout; a store that is gone fails again in check
+            return self._store.check([key])
+        return True
+
+
+class Sticky:
+    """Once a collective call failed in a process, every later call there fails at once.
+
+    A failed call leaves its peers and groups in an unknown state, and ranks do
+    not retry together (a host retries an RPC on the rank where it failed), so a
+    second run would wait for ranks that are not coming, or meet collectives
+    that are not its own.
+    """
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.failure: BaseException | None = None
+
+    @contextmanager
+    def guard(self, *, passes: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
+        """Run the block unless the call failed before; remember its failure
+        (errors of the ``passes`` types leave the ranks in step and are not kept)."""
+        if self.failure is not None:
+            raise FailedBefore(
+                f"{self.what}: not run again: it already failed in this process "
+                f"({_describe(self.failure)}); a retry on some ranks only would wait for "
+                "the others or meet their collectives. Restart the process (and do not let "
+                "the host retry calls that reach megastart hooks)"
+            ) from self.failure
+        try:
+            yield
+        except passes:
+            raise
+        except BaseException as e:
+            self.failure = e
+            raise
+
+    def reset(self) -> None:
+        """Forget the failure: only for a process that rebuilt its process groups (tests, demos)."""
+        self.failure = None
 
 
 def new_group(ranks: Sequence[int] | None, *, backend: str, timeout_s: float) -> dist.ProcessGroup:
@@ -100,14 +278,22 @@ class Outcome:
 
 @contextmanager
 def all_or_none(
-    what: str, *, timeout_s: float, control: dist.ProcessGroup | None = None
+    what: str,
+    *,
+    timeout_s: float,
+    control: dist.ProcessGroup | None = None,
+    board: Board | None = None,
 ) -> Iterator[Outcome]:
     """Run the block on every rank; if it fails on any rank, raise on every rank.
 
     :param what: what the block does, for the message (``"rank0_loader: stream"``).
     :param timeout_s: how long a rank waits for the others to report.
     :param control: a gloo group over the participating ranks; by default one
-        over WORLD is made for this call and destroyed after it.
+        over WORLD is made for this call and destroyed after it. The block must
+        leave no operation of its own pending on it.
+    :param board: the call's :class:`Board`: an error is announced there as
+        soon as it leaves the block; the message names the rank whose own error
+        it was, not the ranks that stopped because of it (:class:`PeerFailed`).
     """
     import torch.distributed as dist
 
@@ -120,12 +306,19 @@ def all_or_none(
         yield outcome
     except BaseException as e:  # re-raised below, on every rank
         local = e
+        if board is not None:
+            board.announce(e)
     try:
         mine = None if local is None else _describe(local)
-        reports: list[tuple[str | None, Any]] = [(None, None)] * dist.get_world_size(control)
+        secondary = isinstance(local, PeerFailed)
+        reports: list[tuple[str | None, bool, Any]] = [(None, False, None)] * dist.get_world_size(
+            control
+        )
         try:
             dist.all_gather_object(
-                reports, (mine, outcome._mine if local is None else None), group=control
+                reports,
+                (mine, secondary, outcome._mine if local is None else None),
+                group=control,
             )
         except Exception as e:
             here = "" if mine is None else f" failed on rank {dist.get_rank()}: {mine};"
@@ -133,16 +326,17 @@ def all_or_none(
                 f"{what}{here} the other ranks did not report within {timeout_s:.0f} s "
                 f"(a rank died, hung, or never entered this step): {e}"
             ) from (local or e)
-        failed = [
-            (dist.get_global_rank(control, i), report)
-            for i, (report, _) in enumerate(reports)
+        failed = sorted(  # a rank's own error first, then those it made others stop with
+            (peer, dist.get_global_rank(control, i), report)
+            for i, (report, peer, _) in enumerate(reports)
             if report is not None
-        ]
+        )
         if failed:
-            first_rank, first = failed[0]
-            others = "" if len(failed) == 1 else f" (and on ranks {[r for r, _ in failed[1:]]})"
+            _, first_rank, first = failed[0]
+            rest = sorted(rank for _, rank, _ in failed[1:])
+            others = f" (and on ranks {rest})" if rest else ""
             raise CollectiveError(f"{what} failed on rank {first_rank}{others}: {first}") from local
-        outcome.shared = [value for _, value in reports]
+        outcome.shared = [value for _, _, value in reports]
     finally:
         if own_control:
             destroy_group(control)
@@ -174,6 +368,31 @@ def broadcast_or_raise(
     if error is not None:
         raise CollectiveError(f"{what} failed on rank {src}: {error}")
     return value
+
+
+def agree(what: str, values: Mapping[str, Any], *, control: dist.ProcessGroup, fix: str) -> None:
+    """Raise on every rank if the ranks were given different ``values`` (a variable set on
+    one node only): their collectives would not match, and would wait or abort.
+
+    :param fix: what to do about it, for the message.
+    """
+    import torch.distributed as dist
+
+    everyone: list[Any] = [None] * dist.get_world_size(control)
+    dist.all_gather_object(everyone, dict(values), group=control)
+    differ = []
+    for key in values:
+        ranks_by_value: dict[str, list[int]] = {}
+        for index, theirs in enumerate(everyone):
+            rank = dist.get_global_rank(control, index)
+            ranks_by_value.setdefault(repr(theirs.get(key)), []).append(rank)
+        if len(ranks_by_value) > 1:
+            differ.append(
+                f"{key} is "
+                + ", ".join(f"{value} on ranks {ranks}" for value, ranks in ranks_by_value.items())
+            )
+    if differ:
+        raise CollectiveError(f"{what}: the ranks' settings differ: {'; '.join(differ)}; {fix}")
 
 
 def _describe(error: BaseException) -> str:

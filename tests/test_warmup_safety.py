@@ -185,5 +185,8 @@ def test_ranks_with_different_settings_all_raise_before_any_operation() -> None:
         results = pool.run(warm_with_own_message_sizes)
     messages = [result["first"][1] for result in results]
     assert messages[0] == messages[1]
-    assert "the ranks' settings differ" in messages[0]
-    assert "rank 1: {'message_bytes': (4096, 131072)" in messages[0]
+    assert (
+        "comm_warmup: the ranks' settings differ: message_bytes is (4096, 65536) on ranks [0], (4096, 131072) on ranks [1];"
+        in messages[0]
+    )
+    assert "MEGASTART_COMM_WARMUP_*" in messages[0]

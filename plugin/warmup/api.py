@@ -169,22 +169,16 @@ def _warmup(
 
 
 def _check_same_settings(settings: CommWarmupSettings, control: Any) -> None:
-    """Raise on every rank if the ranks' settings differ (e.g. an environment variable
-    set on one node only): their operations would not match, and would wait."""
-    import torch.distributed as dist
+    """Raise on every rank if the ranks' settings differ: their operations would not match."""
+    from megastart.distributed import agree
 
-    from megastart.distributed import CollectiveError
-
-    mine = {"message_bytes": tuple(settings.message_bytes), "timeout_s": settings.timeout_s}
-    everyone: list[Any] = [None] * dist.get_world_size(control)
-    dist.all_gather_object(everyone, mine, group=control)
-    if any(theirs != everyone[0] for theirs in everyone):
-        per_rank = "; ".join(f"rank {rank}: {theirs}" for rank, theirs in enumerate(everyone))
-        raise CollectiveError(
-            f"comm_warmup: the ranks' settings differ ({per_rank}); set the "
-            "MEGASTART_COMM_WARMUP_* variables (or the megastart.comm_warmup config) the same "
-            "on every rank"
-        )
+    agree(
+        "comm_warmup",
+        {"message_bytes": tuple(settings.message_bytes), "timeout_s": settings.timeout_s},
+        control=control,
+        fix="set the MEGASTART_COMM_WARMUP_* variables (or the megastart.comm_warmup config) "
+        "the same on every rank",
+    )
 
 
 def _gpu_free_bytes() -> int | None:
