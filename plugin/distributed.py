@@ -48,6 +48,10 @@ class FailedBefore(CollectiveError):
 POLL_S = 0.1
 """How long a wait blocks before it looks at the :class:`Board` again."""
 
+PEER_GRACE_S = 2.0
+"""How much longer than ``timeout_s`` a rank waits on a peer than on itself: a rank
+stalled in its own work (a read) then names its stall before its peers time out."""
+
 _calls: dict[str, int] = {}
 """How many :class:`Board` s this process made per call name."""
 
@@ -125,13 +129,17 @@ class Board:
             raise CollectiveError(f"{self.what}: {start}")
 
     def wait(
-        self, ready: Callable[[float], bool], what: str, *, timeout_s: float | None = None
+        self,
+        ready: Callable[[float], bool],
+        what: str | Callable[[], str],
+        *,
+        timeout_s: float | None = None,
     ) -> None:
         """Until ``ready(slice_s)`` is true (it may block ``slice_s`` seconds).
 
         :raises PeerFailed: within a slice of any rank announcing a failure.
-        :raises Stalled: after ``timeout_s`` (default: the call's), naming ``what``;
-            announced first, so the others stop at once.
+        :raises Stalled: after ``timeout_s`` (default: the call's), naming ``what``
+            (or what it returns then); announced first, so the others stop at once.
         """
         limit = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + limit
@@ -140,12 +148,14 @@ class Board:
             if failure is not None:
                 raise PeerFailed(f"{self.what} failed on {failure}")
             if time.monotonic() >= deadline:
-                stalled = Stalled(f"rank {self.rank} waited timeout_s={limit:g} s for {what}")
+                waited_for = what if isinstance(what, str) else what()
+                stalled = Stalled(f"rank {self.rank} waited timeout_s={limit:g} s for {waited_for}")
                 self.announce(stalled)
                 raise stalled
 
     def wait_work(self, work: Any, what: str) -> None:
-        """:meth:`wait` for a gloo ``Work`` (its own errors are raised as they are)."""
+        """:meth:`wait` for a gloo ``Work`` (its own errors are raised as they are), up to
+        ``timeout_s`` + :data:`PEER_GRACE_S`."""
 
         def done(slice_s: float) -> bool:
             try:
@@ -156,7 +166,7 @@ class Board:
                 work.wait()  # completed in between, or failed: its own outcome
             return True
 
-        self.wait(done, what)
+        self.wait(done, what, timeout_s=self.timeout_s + PEER_GRACE_S)
 
     def _has(self, key: str, slice_s: float) -> bool:
         try:
@@ -333,7 +343,7 @@ def all_or_none(
         )
         if failed:
             _, first_rank, first = failed[0]
-            rest = sorted(rank for _, rank, _ in failed[1:])
+            rest = sorted(rank for peer, rank, _ in failed[1:] if not peer)
             others = f" (and on ranks {rest})" if rest else ""
             raise CollectiveError(f"{what} failed on rank {first_rank}{others}: {first}") from local
         outcome.shared = [value for _, _, value in reports]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from contextlib import contextmanager
 from typing import Any
 
@@ -30,13 +31,16 @@ def reference_logits(checkpoint: str | os.PathLike[str]) -> torch.Tensor:
 
 @contextmanager
 def megatron(layout: dict[str, int]):
+    """Megatron set up for ``layout``; afterwards torn down, and a failed load forgotten."""
     from megastart.demo.cpu import destroy_megatron, initialize_megatron
+    from megastart.loader.api import reset_state
 
     initialize_megatron(**layout)
     try:
         yield
     finally:
         destroy_megatron()
+        reset_state()
 
 
 def build(checkpoint: str, **config_overrides: Any) -> list[Any]:
@@ -237,3 +241,164 @@ def load_counting_received_bytes(checkpoint: str, layout: dict[str, int]) -> tup
         finally:
             dist.broadcast = original
         return parallel_state.get_pipeline_model_parallel_rank(), received[0], report
+
+
+Attempt = tuple[str, str, float]
+"""What one call raised on one rank: its type, its message, and how long the call took."""
+
+
+def attempt(call: Any) -> Attempt:
+    start = time.monotonic()
+    try:
+        call()
+    except Exception as e:
+        return type(e).__name__, str(e), time.monotonic() - start
+    return "loaded", "", time.monotonic() - start
+
+
+def host_group_works() -> float:
+    """A new group of the host over WORLD, and an all-reduce on it: what a host does next."""
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="gloo")
+    value = torch.ones(1)
+    dist.all_reduce(value, group=group)
+    dist.destroy_process_group(group)
+    return value.item()
+
+
+def timed_load(checkpoint: str, layout: dict[str, int], overrides: dict[str, Any]) -> Attempt:
+    from megastart import load_hf_checkpoint
+
+    with megatron(layout):
+        chunks = build(checkpoint)
+        return attempt(
+            lambda: load_hf_checkpoint(chunks, checkpoint, settings=settings(**overrides))
+        )
+
+
+def load_per_rank_settings(
+    checkpoint: str, layout: dict[str, int], overrides_by_rank: dict[int, dict[str, Any]]
+) -> Attempt:
+    """A load, each rank with its own settings overrides."""
+    import torch.distributed as dist
+
+    return timed_load(checkpoint, layout, overrides_by_rank.get(dist.get_rank(), {}))
+
+
+def load_with_resolved_settings(checkpoint: str, layout: dict[str, int]) -> Attempt:
+    """A load with this process's resolved settings (its environment), as a host's is."""
+    from megastart import load_hf_checkpoint
+
+    with megatron(layout):
+        chunks = build(checkpoint)
+        return attempt(lambda: load_hf_checkpoint(chunks, checkpoint))
+
+
+def load_unless_rank(checkpoint: str, layout: dict[str, int], absent: int, timeout_s: float) -> Any:
+    """Rank ``absent`` does not come; the others load, then retry. After they gave up,
+    ``absent`` loads too. Then the host makes a group over every rank."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    from megastart import load_hf_checkpoint
+
+    store = _get_default_store()
+    with megatron(layout):
+        chunks = build(checkpoint)
+
+        def load() -> None:
+            load_hf_checkpoint(chunks, checkpoint, settings=settings(timeout_s=timeout_s))
+
+        if dist.get_rank() == absent:
+            store.wait(["test/others-gave-up"])
+            attempts = [attempt(load)]
+        else:
+            attempts = [attempt(load), attempt(load)]
+            store.add("test/others-gave-up", 1)
+        return attempts, host_group_works()
+
+
+def load_with_failing_receiver(
+    checkpoint: str, layout: dict[str, int], failing_rank: int, timeout_s: float
+) -> Any:
+    """``failing_rank`` runs out of memory applying its ninth bucket; then every rank
+    retries, and the host makes a group. Also: how many parameters the failed load wrote."""
+    import torch.distributed as dist
+
+    from megastart import load_hf_checkpoint
+    from megastart.loader import stream
+
+    original = stream.Stream._apply
+
+    def apply_then_fail(self: Any, index: int, payload: Any) -> None:
+        if index == 8:
+            raise MemoryError("out of host memory (injected)")
+        original(self, index, payload)
+
+    if dist.get_rank() == failing_rank:
+        stream.Stream._apply = apply_then_fail  # type: ignore[method-assign]
+    try:
+        with megatron(layout):
+            chunks = build(checkpoint)
+            before = {n: p.detach().clone() for n, p in chunks[0].named_parameters()}
+
+            def load() -> None:
+                load_hf_checkpoint(chunks, checkpoint, settings=settings(timeout_s=timeout_s))
+
+            attempts = [attempt(load), attempt(load)]
+            written = sum(not torch.equal(p, before[n]) for n, p in chunks[0].named_parameters())
+            return attempts, (written, len(before)), host_group_works()
+    finally:
+        stream.Stream._apply = original  # type: ignore[method-assign]
+
+
+def load_with_stalled_read(
+    checkpoint: str, layout: dict[str, int], good_reads: int, timeout_s: float
+) -> Attempt:
+    """The reader's storage stops answering after ``good_reads`` tensors (for 3 * ``timeout_s``)."""
+    import torch.distributed as dist
+
+    from megastart import load_hf_checkpoint
+    from megastart.loader import checkpoint as checkpoint_module
+
+    original = checkpoint_module.read_exact
+    calls = [0]
+
+    def stalling_read(f: Any, entry: Any, out: Any) -> None:
+        calls[0] += 1
+        if calls[0] > good_reads:
+            time.sleep(3 * timeout_s)
+        original(f, entry, out)
+
+    if dist.get_rank() == 0:
+        checkpoint_module.read_exact = stalling_read
+    try:
+        with megatron(layout):
+            chunks = build(checkpoint)
+            return attempt(
+                lambda: load_hf_checkpoint(
+                    chunks, checkpoint, settings=settings(timeout_s=timeout_s)
+                )
+            )
+    finally:
+        checkpoint_module.read_exact = original
+
+
+def load_with_another_plan_on(checkpoint: str, layout: dict[str, int], rank: int) -> Attempt:
+    """``rank`` plans buckets 8 times larger than the others (a bug the size check must catch)."""
+    import torch.distributed as dist
+
+    from megastart.loader import api
+
+    original = api.build_plan
+
+    def larger_buckets(*args: Any, bucket_bytes: int, **kwargs: Any) -> Any:
+        return original(*args, bucket_bytes=8 * bucket_bytes, **kwargs)
+
+    if dist.get_rank() == rank:
+        api.build_plan = larger_buckets
+    try:
+        return timed_load(checkpoint, layout, {})
+    finally:
+        api.build_plan = original

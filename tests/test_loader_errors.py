@@ -16,8 +16,14 @@ from loader_ranks import (
     load_and_forward,
     load_expecting_error,
     load_for_engine_counting_warnings,
+    load_per_rank_settings,
+    load_unless_rank,
     load_while_a_rank_dies,
+    load_with_another_plan_on,
     load_with_failing_reads,
+    load_with_failing_receiver,
+    load_with_resolved_settings,
+    load_with_stalled_read,
 )
 from safetensors.torch import load_file, save_file
 
@@ -447,3 +453,109 @@ def test_config_without_architectures_resolves_it_from_model_type(
         reference_logits(checkpoint) - original[1]
     ).abs().max().item() == 0  # transformers loads it
     loads_like_the_original(pool, checkpoint, original)
+
+
+def one_error(attempts: list[Any], bound_s: float) -> str:
+    """The one error every rank raised, each within ``bound_s`` of its call."""
+    assert len({(kind, message) for kind, message, _ in attempts}) == 1, attempts
+    kind, message, _ = attempts[0]
+    assert kind == "CollectiveError"
+    assert all(seconds < bound_s for _, _, seconds in attempts), attempts
+    return message
+
+
+def test_ranks_with_different_settings_are_told_which_setting_and_ranks_before_any_transfer(
+    pool: RankPool, original: Any
+) -> None:
+    """Different bucket sizes once aborted a rank inside gloo (size mismatch)."""
+    attempts = pool.run(load_per_rank_settings, str(original[0]), TP2, {1: {"bucket_mb": 1.0}})
+    message = one_error(attempts, 5)
+    assert message.startswith(
+        "rank0_loader: the ranks' settings differ: "
+        "bucket_mb is 0.05 on ranks [0], 1.0 on ranks [1]; set the MEGASTART_RANK0_LOADER_*"
+    )
+
+
+def test_a_received_size_other_than_planned_is_an_error_not_an_abort(
+    pool: RankPool, original: Any
+) -> None:
+    message = one_error(pool.run(load_with_another_plan_on, str(original[0]), TP2, 1), 5)
+    assert message.startswith("rank0_loader: streaming")
+    assert "failed on rank 1: the reader (rank 0) announced a bucket of" in message
+    assert "the ranks' plans differ; nothing was received" in message
+
+
+def test_a_receiver_failing_mid_stream_is_named_on_every_rank_at_once_and_retries_fail_fast(
+    pool: RankPool, original: Any
+) -> None:
+    """Every rank hears the receiver's own error within a fraction of timeout_s; a retry
+    is refused at once; the host's next group works. The parameters are partly written."""
+    timeout_s = 30.0
+    results = pool.run(load_with_failing_receiver, str(original[0]), TP2, 1, timeout_s)
+    for rank, (attempts, (written, total), group_sum) in enumerate(results):
+        (kind, message, seconds), (retry_kind, retry_message, retry_seconds) = attempts
+        assert kind == "CollectiveError", (rank, message)
+        assert message.startswith("rank0_loader: streaming")
+        assert "failed on rank 1" in message
+        assert "MemoryError: out of host memory (injected)" in message
+        assert seconds < 10, (rank, seconds)
+        assert retry_kind == "FailedBefore"
+        assert retry_message.startswith(
+            "rank0_loader: not run again: it already failed in this process (rank0_loader: "
+            "streaming"
+        )
+        assert "Restart the process" in retry_message
+        assert retry_seconds < 0.5
+        assert group_sum == 2.0
+        assert 0 < written < total, (rank, written, total)  # what the README says is left behind
+
+
+def test_a_rank_that_never_calls_the_loader_is_named_and_the_host_groups_keep_working(
+    original: Any,
+) -> None:
+    timeout_s = 5.0
+    with RankPool(2, timeout_s=120) as pool:
+        (present, present_group), (absent, absent_group) = pool.run(
+            load_unless_rank, str(original[0]), TP2, 1, timeout_s
+        )
+    named = (
+        f"rank0_loader: rank(s) [1] did not start it within timeout_s={timeout_s:g} s (died, "
+        "hung, or never called it); no process group was made"
+    )
+    (kind, message, seconds), (retry_kind, retry_message, retry_seconds) = present
+    assert (kind, message) == ("CollectiveError", named)
+    assert timeout_s <= seconds < timeout_s + 3
+    assert retry_kind == "FailedBefore" and named in retry_message and retry_seconds < 0.5
+    ((late_kind, late_message, late_seconds),) = absent
+    assert (late_kind, late_message) == ("CollectiveError", named)  # the latecomer, at once
+    assert late_seconds < 0.5
+    assert present_group == absent_group == 2.0
+
+
+def test_a_stalled_read_is_named_on_every_rank_within_timeout(
+    pool: RankPool, original: Any
+) -> None:
+    timeout_s = 5.0
+    results = pool.run(load_with_stalled_read, str(original[0]), TP2, 5, timeout_s)
+    for kind, message, seconds in results:
+        assert kind == "CollectiveError"
+        assert message.startswith("rank0_loader: streaming")
+        assert (
+            f"failed on rank 0: rank 0 waited timeout_s={timeout_s:g} s for the reader's read "
+            "of tensor '" in message
+        )
+        assert "(the storage did not answer)" in message
+        assert timeout_s <= seconds < timeout_s + 3
+
+
+def test_a_settings_error_on_one_rank_reaches_every_rank_at_once(original: Any) -> None:
+    bad = {"MEGASTART_RANK0_LOADER_BUCKET_MB": "nan"}
+    with RankPool(2, timeout_s=120, env=lambda rank: bad if rank == 1 else {}) as pool:
+        (kind, message, seconds), (own_kind, own_message, _) = pool.run(
+            load_with_resolved_settings, str(original[0]), TP2
+        )
+    why = "MEGASTART_RANK0_LOADER_BUCKET_MB='nan': expected a finite number, got 'nan'"
+    assert (own_kind, own_message) == ("SettingsError", why)
+    assert kind == "PeerFailed"
+    assert message.startswith(f"rank0_loader failed on rank 1: SettingsError: {why} [")
+    assert seconds < 5

@@ -7,19 +7,33 @@
    shards into its parameters;
 4. verify: every element of every local parameter was written exactly once.
 
-A failure in any phase, on any rank, is raised on every rank (``all_or_none``),
-within ``timeout_s``.
+Before any of them the ranks check in (a rank that never calls is named) and
+agree on their settings. A failure in any phase, on any rank, is raised on
+every rank (``all_or_none``), within ``timeout_s`` and a fraction of a second:
+the failing rank announces it on the load's ``Board`` and every wait looks
+there. A process whose load failed refuses the next one (``Sticky``): its
+peers and groups are in an unknown state. What a failed load leaves in the
+parameters: see :func:`load_hf_checkpoint`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from megastart.distributed import OwnGroups, all_or_none, broadcast_or_raise
+from megastart.distributed import (
+    PEER_GRACE_S,
+    Board,
+    OwnGroups,
+    Sticky,
+    agree,
+    all_or_none,
+    broadcast_or_raise,
+)
 from megastart.loader.checkpoint import CheckpointMeta, read_metadata
 from megastart.loader.model import UnsupportedArchitecture, local_needs, mapping_table
 from megastart.loader.plan import Demand, PlanError, build_plan, receiver_sets, unused_tensors
@@ -44,6 +58,9 @@ log = logging.getLogger("megastart")
 
 PLUGIN = "rank0_loader"
 
+_sticky = Sticky(PLUGIN)
+"""This process's failed load, refused again by every later one."""
+
 
 class RankDemands(NamedTuple):
     """What one rank tells the others when planning."""
@@ -65,12 +82,8 @@ class Streamed(NamedTuple):
 
 def load_for_engine(engine: EngineContext, checkpoint: str) -> LoadReport | None:
     """``on_model_load`` of the ``rank0_loader`` plugin: ``None`` (one warning) if no table fits."""
-    if engine.settings is not None:
-        settings = engine.settings.section(PLUGIN)
-    else:
-        from megastart.manager import get_settings
-
-        settings = get_settings().section(PLUGIN)
+    # Resolved inside the load otherwise, so that an error doing it reaches every rank.
+    settings = engine.settings.section(PLUGIN) if engine.settings is not None else None
     try:
         return load_hf_checkpoint(engine.model_chunks, checkpoint, settings=settings)
     except (
@@ -98,24 +111,53 @@ def load_hf_checkpoint(
     :param settings: the ``rank0_loader`` settings; by default the resolved ones.
     :returns: what was read and sent, and how long it took (same figures on every rank).
     :raises megastart.distributed.CollectiveError: on every rank, when any rank
-        failed; the message names the first failing rank and its error.
+        failed, stalled, or did not call it within ``timeout_s``; the message
+        names the failing rank and its error. A failure in the stream phase
+        leaves the parameters partly written: those whose buckets arrived hold
+        the checkpoint's values, the others what they held before. Do not use
+        the model; restart the process.
+    :raises megastart.distributed.FailedBefore: at once, when a load already
+        failed in this process.
     :raises UnsupportedArchitecture: on every rank, when no mapping table serves
         the checkpoint's ``architectures``.
     """
-    settings = settings or _default_settings()
-    start = time.perf_counter()
-    with OwnGroups(timeout_s=settings.timeout_s) as own:
-        return _load(list(model_chunks), str(checkpoint_dir), settings, own, start)
+    with _sticky.guard(passes=(UnsupportedArchitecture,)):
+        board = Board(PLUGIN)
+        with board.announcing():
+            settings = settings or _default_settings()
+            start = time.perf_counter()
+            board.check_in(settings.timeout_s)
+            # The board bounds every wait by timeout_s and names it; gloo's own
+            # timeout, unnamed, must not come first.
+            with OwnGroups(timeout_s=settings.timeout_s + 2 * PEER_GRACE_S) as own:
+                return _load(list(model_chunks), str(checkpoint_dir), settings, own, board, start)
+
+
+def reset_state() -> None:
+    """Forget a failed load: only for a process that rebuilt its process groups (tests, demos)."""
+    _sticky.reset()
 
 
 def _load(
-    chunks: list[Any], checkpoint: str, settings: Rank0LoaderSettings, own: OwnGroups, start: float
+    chunks: list[Any],
+    checkpoint: str,
+    settings: Rank0LoaderSettings,
+    own: OwnGroups,
+    board: Board,
+    start: float,
 ) -> LoadReport:
     import torch.distributed as dist
 
     rank = dist.get_rank()
     control = own.new(None, backend="gloo")
-    phase = partial(all_or_none, timeout_s=settings.timeout_s, control=control)
+    agree(
+        PLUGIN,
+        {f: v for f, v in dataclasses.asdict(settings).items() if f != "progress"},
+        control=control,
+        fix="set the MEGASTART_RANK0_LOADER_* variables (or the megastart.rank0_loader config) "
+        "the same on every rank",
+    )
+    phase = partial(all_or_none, timeout_s=settings.timeout_s, control=control, board=board)
 
     meta: CheckpointMeta = broadcast_or_raise(
         f"{PLUGIN}: reading the metadata of {checkpoint!r}",
@@ -154,14 +196,16 @@ def _load(
     if unused and rank == 0:
         log.warning("megastart: %s", _unused_message(unused, checkpoint, strict=False))
 
-    # One gloo reader group can send over the control group: one group fewer to connect.
-    single_gloo = backend == "gloo" and len(groups) == 1
-    data_group = control if single_gloo else open_data_groups(groups, own, backend=backend)
+    # Not the control group, even for one gloo reader group: after a failure in the
+    # stream, broadcasts may be left pending there, and the verdict must not meet them.
+    data_group = open_data_groups(groups, own, backend=backend)
     receivers = {tuple(group): data_group}
     receivers |= open_receiver_groups(every_receiver_set, own, backend=backend)
     coverage = Coverage()
     with phase(f"{PLUGIN}: streaming {checkpoint!r} and verifying the coverage") as loaded:
-        channel = Channel(data_group, group[0], device if backend == "nccl" else _cpu(), receivers)
+        channel = Channel(
+            data_group, group[0], device if backend == "nccl" else _cpu(), receivers, board
+        )
         stream = Stream(plan, needs, tensors, shard, coverage, channel, group)
         read, sent = (
             stream.run_reader(meta, settings) if rank == group[0] else stream.run_receiver()

@@ -349,6 +349,8 @@ class TensorReader:
     def __init__(self, meta: CheckpointMeta) -> None:
         self.meta = meta
         self.bytes_read = 0
+        self.reading: TensorEntry | None = None
+        """The tensor being read now (``None`` between reads), to name a stalled read."""
         self._files: dict[str, Any] = {}
 
     def read_into(self, entry: TensorEntry, out: torch.Tensor, first_row: int = 0) -> None:
@@ -359,7 +361,7 @@ class TensorReader:
         import torch
 
         stop = first_row + (out.shape[0] if out.dim() else 1)
-        whole = entry
+        whole = self.reading = entry
         entry = entry.row_range(first_row, stop)
         dtype = getattr(torch, entry.dtype)
         if self.meta.format == "bin":
@@ -374,6 +376,7 @@ class TensorReader:
         self.bytes_read += (
             entry.end - entry.start if entry.start >= 0 else out.numel() * ITEMSIZE[entry.dtype]
         )
+        self.reading = None
 
     def close(self) -> None:
         for f in self._files.values():

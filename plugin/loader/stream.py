@@ -17,6 +17,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from megastart.distributed import CollectiveError
 from megastart.loader.checkpoint import CheckpointMeta, TensorReader
 from megastart.loader.plan import Need, Plan
 from megastart.loader.progress import Progress
@@ -69,7 +70,7 @@ class Stream:
             self.plan,
             buffers=2 if on_cuda else IN_FLIGHT + 1,
             pin=on_cuda,
-            timeout_s=settings.timeout_s,
+            board=self.channel.board,
         )
         progress = Progress(self.plan.nbytes, enabled=settings.progress)
         staging = [
@@ -84,6 +85,8 @@ class Stream:
             for index, bucket in enumerate(self.plan.buckets):
                 try:
                     host = prefetch.next()
+                except CollectiveError:  # a stall or a peer's failure: on the board already
+                    raise
                 except BaseException as e:
                     while in_flight:  # what was announced is delivered before the error
                         self._finish(*in_flight.popleft())
@@ -126,7 +129,8 @@ class Stream:
         received = 0
         try:
             for index, ranks in enumerate(self.ranks):
-                started = self.channel.receive(buffers[received % IN_FLIGHT], ranks)
+                nbytes = self.plan.buckets[index].nbytes
+                started = self.channel.receive(buffers[received % IN_FLIGHT], ranks, nbytes)
                 if started is None:
                     continue
                 payload, work = started
@@ -136,18 +140,17 @@ class Stream:
                     self._finish(*in_flight.popleft())
         except ReaderError:
             while in_flight:  # the reader sent these before its error: take them off the wire
-                in_flight.popleft()[0].wait()
+                self.channel.wait(in_flight.popleft()[0], "a bucket sent before the error")
             raise
         while in_flight:
             self._finish(*in_flight.popleft())
         self._drain()
         return 0, 0
 
-    @staticmethod
-    def _finish(work: Any, then: Callable[[], None]) -> None:
-        """Wait for one broadcast in flight (bounded by its group's timeout), then run ``then``."""
+    def _finish(self, work: Any, then: Callable[[], None]) -> None:
+        """Wait for one broadcast in flight (bounded, watching the board), then run ``then``."""
         if work is not None:
-            work.wait()
+            self.channel.wait(work, "a bucket's broadcast")
         then()
 
     def _drain(self) -> None:

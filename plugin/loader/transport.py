@@ -15,8 +15,13 @@ number of stages. The plan only includes tensors some rank of the group needs.
 ``[status, nbytes]`` to the whole reader group and then the payload to the
 bucket's ranks. A reader that fails to read (I/O error, file changed under it)
 sends ``status = 1`` and the error message to the whole group instead, so every
-rank raises that message rather than waiting for bytes that never come. Every
-wait is bounded by the group's timeout.
+rank raises that message rather than waiting for bytes that never come. A
+receiver checks the announced size against its plan before it posts a receive
+(gloo aborts the process on a size mismatch). On gloo every wait is sliced
+and looks at the load's :class:`~megastart.distributed.Board` in between: a
+failure on any rank (a receiver out of memory) stops it within a slice, and a
+wait longer than ``timeout_s`` is announced naming what it waited for; NCCL's
+own watchdog bounds its waits.
 
 **Overlap.** Payloads are broadcast asynchronously, :data:`IN_FLIGHT` at a
 time: while bucket *i* travels, a receiver copies bucket *i - 1* into its
@@ -41,7 +46,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from megastart.distributed import OwnGroups
+from megastart.distributed import Board, CollectiveError, OwnGroups
 from megastart.loader.checkpoint import TensorReader
 from megastart.loader.plan import Bucket, Plan, Slot
 
@@ -127,6 +132,8 @@ class Channel:
     """Where the collective's buffers live (CUDA for NCCL, CPU for gloo)."""
     receivers: dict[tuple[int, ...], dist.ProcessGroup]
     """The process groups this rank is in, by their global ranks (the reader first)."""
+    board: Board
+    """The load's board: where failures are announced and waits look."""
 
     def send(self, payload: torch.Tensor, ranks: tuple[int, ...]) -> dist.Work | None:
         """Announce ``payload`` to the whole group, then start its broadcast to ``ranks``.
@@ -144,29 +151,47 @@ class Channel:
 
         data = torch.frombuffer(bytearray(message.encode()), dtype=torch.uint8).to(self.device)
         self._header(_FAILED, data.numel())
-        self._broadcast(data, self.group)
+        self.wait(self._broadcast(data, self.group, async_op=True), "the reader's error message")
 
     def receive(
-        self, buffer: torch.Tensor, ranks: tuple[int, ...]
+        self, buffer: torch.Tensor, ranks: tuple[int, ...], nbytes: int
     ) -> tuple[torch.Tensor, dist.Work] | None:
-        """Start receiving the next payload into ``buffer`` (``None`` if it is not for this rank).
+        """Start receiving the next payload, of ``nbytes``, into ``buffer`` (``None`` if it is
+        not for this rank).
 
         Returns the payload's view of ``buffer`` and the broadcast in flight,
         which must be waited for before the payload is read. Raises
         :class:`ReaderError` if the reader failed: every rank of the group hears
-        every header, so an error reaches the ranks a bucket skips too.
+        every header, so an error reaches the ranks a bucket skips too; and a
+        :class:`~megastart.distributed.CollectiveError` if the reader announces
+        another size than this rank planned, before any byte is received.
         """
         import torch
 
-        status, nbytes = self._header(_OK, 0)
+        status, announced = self._header(_OK, 0)
         if status == _FAILED:
-            data = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            self._broadcast(data, self.group)
+            data = torch.empty(announced, dtype=torch.uint8, device=self.device)
+            self.wait(
+                self._broadcast(data, self.group, async_op=True), "the reader's error message"
+            )
             raise ReaderError(bytes(data.cpu().numpy()).decode(errors="replace"))
+        if announced != nbytes or announced > buffer.numel():
+            raise CollectiveError(
+                f"the reader (rank {self.src}) announced a bucket of "
+                f"{announced} bytes where this rank planned {nbytes} (buffer of {buffer.numel()}): "
+                "the ranks' plans differ; nothing was received"
+            )
         if ranks not in self.receivers:
             return None
-        payload = buffer[:nbytes]
+        payload = buffer[:announced]
         return payload, self._broadcast(payload, self.receivers[ranks], async_op=True)
+
+    def wait(self, work: Any, what: str) -> None:
+        """Wait for a broadcast of this channel: sliced and watching the board on gloo."""
+        if self.device.type == "cpu":
+            self.board.wait_work(work, f"{what} (from rank {self.src})")
+        else:
+            work.wait()
 
     def _header(self, status: int, nbytes: int) -> tuple[int, int]:
         """Broadcast ``[status, nbytes]`` from the reader; what the reader sent, on every rank.
@@ -181,7 +206,7 @@ class Channel:
 
         header = torch.empty(2, dtype=torch.int64, device=self.device)
         header[0], header[1] = status, nbytes
-        self._broadcast(header, self.group)
+        self.wait(self._broadcast(header, self.group, async_op=True), "a bucket's header")
         if dist.get_rank() == self.src:
             return status, nbytes
         received = header.tolist()
@@ -203,13 +228,13 @@ class Prefetcher:
     """
 
     def __init__(
-        self, reader: TensorReader, plan: Plan, *, buffers: int, pin: bool, timeout_s: float
+        self, reader: TensorReader, plan: Plan, *, buffers: int, pin: bool, board: Board
     ) -> None:
         import torch
 
         self._reader = reader
         self._plan = plan
-        self._timeout_s = timeout_s
+        self._board = board
         self._free: queue.Queue[tuple[torch.Tensor, Any] | None] = queue.Queue()
         self._ready: queue.Queue[tuple[torch.Tensor | None, BaseException | None]] = queue.Queue()
         for _ in range(min(buffers, len(plan.buckets))):
@@ -221,13 +246,19 @@ class Prefetcher:
         self._thread.start()
 
     def next(self) -> torch.Tensor:
-        """The next filled buffer; re-raises the read error; bounded by ``timeout_s``."""
-        try:
-            buffer, error = self._ready.get(timeout=self._timeout_s)
-        except queue.Empty:
-            raise ReaderError(
-                f"reading one bucket took longer than timeout_s={self._timeout_s:g}"
-            ) from None
+        """The next filled buffer; re-raises the read error; a read that stalls past
+        ``timeout_s`` raises :class:`~megastart.distributed.Stalled`, naming the tensor."""
+        got: list[tuple[torch.Tensor | None, BaseException | None]] = []
+
+        def ready(slice_s: float) -> bool:
+            try:
+                got.append(self._ready.get(timeout=slice_s))
+            except queue.Empty:
+                return False
+            return True
+
+        self._board.wait(ready, self._reading)
+        buffer, error = got[0]
         if error is not None:
             raise error
         assert buffer is not None
@@ -242,24 +273,32 @@ class Prefetcher:
         self._free.put((buffer, copied))
 
     def close(self) -> None:
+        """Stop reading. Does not wait: a read stalled in the kernel ends (and the thread
+        closes the files) whenever the storage answers; the load has failed by then."""
         self._free.put(None)
-        self._thread.join(timeout=self._timeout_s)
-        self._reader.close()
+
+    def _reading(self) -> str:
+        entry = self._reader.reading
+        what = "the next bucket" if entry is None else f"tensor {entry.name!r} from {entry.file!r}"
+        return f"the reader's read of {what} (the storage did not answer)"
 
     def _run(self) -> None:
-        for bucket in self._plan.buckets:
-            free = self._free.get()
-            if free is None:
-                return
-            buffer, copied = free
-            try:
-                if copied is not None:
-                    copied.synchronize()
-                fill(self._reader, bucket, buffer)
-            except BaseException as e:  # handed to the sender, which tells every rank
-                self._ready.put((None, e))
-                return
-            self._ready.put((buffer, None))
+        try:
+            for bucket in self._plan.buckets:
+                free = self._free.get()
+                if free is None:
+                    return
+                buffer, copied = free
+                try:
+                    if copied is not None:
+                        copied.synchronize()
+                    fill(self._reader, bucket, buffer)
+                except BaseException as e:  # handed to the sender, which tells every rank
+                    self._ready.put((None, e))
+                    return
+                self._ready.put((buffer, None))
+        finally:
+            self._reader.close()
 
 
 def fill(reader: TensorReader, bucket: Bucket, buffer: torch.Tensor) -> None:
