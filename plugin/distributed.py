@@ -52,6 +52,9 @@ PEER_GRACE_S = 2.0
 """How much longer than ``timeout_s`` a rank waits on a peer than on itself: a rank
 stalled in its own work (a read) then names its stall before its peers time out."""
 
+_GO, _FAILED = "go", "failed:"
+"""The values of a board's ``start`` key besides a reason why the ranks did not all start."""
+
 _calls: dict[str, int] = {}
 """How many :class:`Board` s this process made per call name."""
 
@@ -83,9 +86,14 @@ class Board:
         self._store = dist.PrefixStore(f"megastart/{what}/{number}/", _get_default_store())
 
     def announce(self, error: BaseException) -> None:
-        """Tell every rank that this one failed; the first failure announced is the one named."""
+        """Tell every rank that this one failed; the first failure announced is the one named.
+
+        Ranks still checking in hear it too: they stop waiting for this one.
+        """
         if not isinstance(error, PeerFailed):
-            self._store.compare_set("failed", "", f"rank {self.rank}: {_describe(error)}")
+            failure = f"rank {self.rank}: {_describe(error)}"
+            self._store.compare_set("failed", "", failure)
+            self._store.compare_set("start", "", f"{_FAILED}{self.what} failed on {failure}")
 
     def failure(self) -> str | None:
         """``"rank R: error"`` of the first failure announced, or ``None``."""
@@ -109,24 +117,28 @@ class Board:
         Call it before making any process group: creating one with a rank
         missing would wait in vain, and would leave the ranks' group counters
         apart, so the host's next ``new_group`` would hang as well.
+
+        :raises PeerFailed: at once, when a rank announced a failure instead of arriving.
         """
         self.timeout_s = timeout_s
         self._store.set(f"arrived/{self.rank}", "1")
         if self._store.add("arrived", 1) == self.world:
-            self._store.compare_set("start", "", "go")
-        try:
-            self.wait(lambda slice_s: self._has("start", slice_s), "every rank to start")
-        except Stalled:
+            self._store.compare_set("start", "", _GO)
+        try:  # one blocking wait: a store wait that times out logs a c10d warning
+            self._store.wait(["start"], datetime.timedelta(seconds=timeout_s))
+        except Exception:  # the timeout; a store that is gone fails again below
             missing = [r for r in range(self.world) if not self._store.check([f"arrived/{r}"])]
             self._store.compare_set(
                 "start",
                 "",
-                f"rank(s) {missing} did not start it within timeout_s={timeout_s:g} s (died, "
-                "hung, or never called it); no process group was made",
+                f"{self.what}: rank(s) {missing} did not start it within timeout_s={timeout_s:g} "
+                "s (died, hung, or never called it); no process group was made",
             )
         start = bytes(self._store.get("start")).decode()
-        if start != "go":
-            raise CollectiveError(f"{self.what}: {start}")
+        if start.startswith(_FAILED):
+            raise PeerFailed(start.removeprefix(_FAILED))
+        if start != _GO:
+            raise CollectiveError(start)
 
     def wait(
         self,
@@ -167,13 +179,6 @@ class Board:
             return True
 
         self.wait(done, what, timeout_s=self.timeout_s + PEER_GRACE_S)
-
-    def _has(self, key: str, slice_s: float) -> bool:
-        try:
-            self._store.wait([key], datetime.timedelta(seconds=slice_s))
-        except Exception:  # a timeout; a store that is gone fails again in check
-            return self._store.check([key])
-        return True
 
 
 class Sticky:
