@@ -141,33 +141,34 @@ class Board:
             raise CollectiveError(start)
 
     def wait(
-        self,
-        ready: Callable[[float], bool],
-        what: str | Callable[[], str],
-        *,
-        timeout_s: float | None = None,
+        self, ready: Callable[[float], bool], what: str | Callable[[], str], *, peer: bool = False
     ) -> None:
         """Until ``ready(slice_s)`` is true (it may block ``slice_s`` seconds).
 
+        :param peer: the wait is on another rank: it gets :data:`PEER_GRACE_S` more.
         :raises PeerFailed: within a slice of any rank announcing a failure.
-        :raises Stalled: after ``timeout_s`` (default: the call's), naming ``what``
-            (or what it returns then); announced first, so the others stop at once.
+        :raises Stalled: after ``timeout_s``, naming ``what`` (or what it returns
+            then); announced first, so the others stop at once.
         """
-        limit = self.timeout_s if timeout_s is None else timeout_s
+        limit = self.timeout_s + (PEER_GRACE_S if peer else 0.0)
         deadline = time.monotonic() + limit
         while not ready(POLL_S):
             failure = self.failure()
             if failure is not None:
                 raise PeerFailed(f"{self.what} failed on {failure}")
             if time.monotonic() >= deadline:
+                bound = (
+                    f"{limit:g} s (timeout_s + {PEER_GRACE_S:g} s)"
+                    if peer
+                    else f"timeout_s={limit:g} s"
+                )
                 waited_for = what if isinstance(what, str) else what()
-                stalled = Stalled(f"rank {self.rank} waited timeout_s={limit:g} s for {waited_for}")
+                stalled = Stalled(f"rank {self.rank} waited {bound} for {waited_for}")
                 self.announce(stalled)
                 raise stalled
 
     def wait_work(self, work: Any, what: str) -> None:
-        """:meth:`wait` for a gloo ``Work`` (its own errors are raised as they are), up to
-        ``timeout_s`` + :data:`PEER_GRACE_S`."""
+        """:meth:`wait` on another rank for a gloo ``Work`` (its own errors are raised as they are)."""
 
         def done(slice_s: float) -> bool:
             try:
@@ -178,7 +179,7 @@ class Board:
                 work.wait()  # completed in between, or failed: its own outcome
             return True
 
-        self.wait(done, what, timeout_s=self.timeout_s + PEER_GRACE_S)
+        self.wait(done, what, peer=True)
 
 
 class Sticky:

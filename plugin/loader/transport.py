@@ -189,7 +189,8 @@ class Channel:
     def wait(self, work: Any, what: str) -> None:
         """Wait for a broadcast of this channel: sliced and watching the board on gloo."""
         if self.device.type == "cpu":
-            self.board.wait_work(work, f"{what} (from rank {self.src})")
+            sender = "to its receivers" if self.board.rank == self.src else f"from rank {self.src}"
+            self.board.wait_work(work, f"{what} {sender}")
         else:
             work.wait()
 
