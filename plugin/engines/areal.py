@@ -28,15 +28,21 @@ import logging
 import os
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, ClassVar
 
 import wrapt
 
-from megastart.engines.base import EngineAdapter, unwrap
+from megastart.engines.base import EngineAdapter, argument, before_first_step, unwrap
+from megastart.manager import call_hook
+from megastart.records import EngineContext
 
 log = logging.getLogger("megastart")
+
+Wrapped = Callable[..., Any]
+"""The host method a wrapt wrapper receives (bound: ``self`` is ``instance``)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -58,10 +64,17 @@ class HookFailedBefore(RuntimeError):
 
 
 class ArealAdapter(EngineAdapter):
-    host = "areal"
-    module = "areal.engine.megatron_engine"
-    requirement = "areal>=1.0.4,<1.1"
-    wraps = {
+    """Attaches megastart's hooks to AReaL's ``MegatronEngine`` (see the module docstring).
+
+    One instance per process (the adapter registry holds it); the state it keeps is
+    per engine (deferred HF loads, restarted engines) and per process (the first
+    hook failure, which every later hook re-raises).
+    """
+
+    host: ClassVar[str] = "areal"
+    module: ClassVar[str] = "areal.engine.megatron_engine"
+    requirement: ClassVar[str] = "areal>=1.0.4,<1.1"
+    wraps: ClassVar[dict[str, tuple[str, ...]]] = {
         "MegatronEngine._load_model_from_hf": ("self", "path"),
         "MegatronEngine.load": ("self", "meta"),
         "MegatronEngine.train_batch": ("self", "input_"),
@@ -71,41 +84,43 @@ class ArealAdapter(EngineAdapter):
         "MegatronEngine.update_weights": ("self", "meta"),
         "MegatronEngine.offload": ("self",),
     }
-    megastart_settings = ArealSettings
+    megastart_settings: ClassVar[type[ArealSettings]] = ArealSettings
 
     def __init__(self) -> None:
         super().__init__()
         self._failure: tuple[str, BaseException] | None = None
-        self._first_step_done = False
         self._restarted: weakref.WeakSet[Any] = weakref.WeakSet()
         self._deferred: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+        self._wrappers: dict[str, Any] = {}
 
     def _attach(self, module: ModuleType) -> None:
-        wrapt.wrap_function_wrapper(module, "MegatronEngine._load_model_from_hf", self._load_hf)
-        wrapt.wrap_function_wrapper(module, "MegatronEngine.load", self._load)
-        wrapt.wrap_function_wrapper(module, "MegatronEngine.train_batch", self._step)
-        wrapt.wrap_function_wrapper(module, "MegatronEngine.forward_batch", self._step)
-        wrapt.wrap_function_wrapper(module, "MegatronEngine.eval_batch", self._step)
-        wrapt.wrap_function_wrapper(module, "MegatronEngine.save", self._uses_weights)
-        wrapt.wrap_function_wrapper(module, "MegatronEngine.update_weights", self._uses_weights)
-        wrapt.wrap_function_wrapper(module, "MegatronEngine.offload", self._uses_weights)
+        engine = module.MegatronEngine
+        around: dict[str, Callable[[Wrapped, Any, Any, Any], Any]] = {
+            "_load_model_from_hf": self._load_hf,
+            "load": self._load,
+            "train_batch": self._step,
+            "forward_batch": self._step,
+            "eval_batch": self._step,
+            "save": self._uses_weights,
+            "update_weights": self._uses_weights,
+            "offload": self._uses_weights,
+        }
+        self._wrappers = {
+            name: wrapt.wrap_function_wrapper(engine, name, wrapper)
+            for name, wrapper in around.items()
+        }
 
     def _detach(self, module: ModuleType) -> None:
-        unwrap(module.MegatronEngine, "_load_model_from_hf")
-        unwrap(module.MegatronEngine, "load")
-        unwrap(module.MegatronEngine, "train_batch")
-        unwrap(module.MegatronEngine, "forward_batch")
-        unwrap(module.MegatronEngine, "eval_batch")
-        unwrap(module.MegatronEngine, "save")
-        unwrap(module.MegatronEngine, "update_weights")
-        unwrap(module.MegatronEngine, "offload")
+        engine = module.MegatronEngine
+        for name, wrapper in self._wrappers.items():
+            unwrap(engine, name, wrapper)
 
     # -- wrappers: (wrapped, instance, args, kwargs) -------------------------
 
-    def _load_hf(self, wrapped, instance, args, kwargs):  # type: ignore[no-untyped-def]
-        path = _argument(args, kwargs, 0, "path")
+    def _load_hf(self, wrapped: Wrapped, instance: Any, args: Any, kwargs: Any) -> Any:
+        path = argument(wrapped, args, kwargs, 0)
         self._raise_if_failed("on_model_load")
-        if not instance.initialized and _settings().skip_hf_load_on_recover:
+        if not instance.initialized and self.settings().skip_hf_load_on_recover:
             self._deferred[instance] = path
             log.info("megastart: deferring the HF load of %s (skip_hf_load_on_recover)", path)
             return None
@@ -114,8 +129,8 @@ class ArealAdapter(EngineAdapter):
             return wrapped(*args, **kwargs)
         return None
 
-    def _load(self, wrapped, instance, args, kwargs):  # type: ignore[no-untyped-def]
-        meta = _argument(args, kwargs, 0, "meta")
+    def _load(self, wrapped: Wrapped, instance: Any, args: Any, kwargs: Any) -> Any:
+        meta = argument(wrapped, args, kwargs, 0)
         recover = is_recover_load(meta)
         if recover:
             self._raise_if_failed("post_recover_load")
@@ -136,42 +151,34 @@ class ArealAdapter(EngineAdapter):
             self._call_hook("post_recover_load", engine=context, checkpoint=meta.path)
         return result
 
-    def _step(self, wrapped, instance, args, kwargs):  # type: ignore[no-untyped-def]
-        first = not self._first_step_done
-        if first:
-            self._raise_if_failed("pre_first_step")
+    def _step(self, wrapped: Wrapped, instance: Any, args: Any, kwargs: Any) -> Any:
+        self._raise_if_failed("pre_first_step")
         self._resolve_deferred(instance)
-        if first:
-            context = self.context(instance, is_restart=instance in self._restarted)
-            self._call_hook("pre_first_step", engine=context)
-            self._first_step_done = True
+        before_first_step(
+            lambda: self._call_hook(
+                "pre_first_step",
+                engine=self.context(instance, is_restart=instance in self._restarted),
+            )
+        )
         return wrapped(*args, **kwargs)
 
-    def _uses_weights(self, wrapped, instance, args, kwargs):  # type: ignore[no-untyped-def]
+    def _uses_weights(self, wrapped: Wrapped, instance: Any, args: Any, kwargs: Any) -> Any:
         self._resolve_deferred(instance)
         return wrapped(*args, **kwargs)
 
     # -- helpers --------------------------------------------------------------
 
-    def context(self, engine: Any, *, is_restart: bool = False) -> Any:
+    def context(self, engine: Any, *, is_restart: bool = False) -> EngineContext:
         """The ``EngineContext`` of one AReaL ``MegatronEngine``."""
-        from importlib import metadata
-
         from megatron.core import parallel_state
 
-        from megastart.manager import get_settings
-        from megastart.records import EngineContext
-
-        return EngineContext(
-            host=self.host,
-            host_version=metadata.version("areal"),
+        return self.engine_context(
             model_chunks=[unwrap_chunk(chunk) for chunk in engine.model],
             parallel_state=parallel_state,
             device=engine.device if engine.device is not None else "cpu",
             dtype=engine.dtype,
             hf_config=getattr(engine, "hf_config", None),
             is_restart=is_restart,
-            settings=get_settings(),
             extra={
                 "areal_engine": engine,
                 "ddp_config": getattr(engine.model[0], "ddp_config", None),
@@ -179,8 +186,6 @@ class ArealAdapter(EngineAdapter):
         )
 
     def _call_hook(self, name: str, **kwargs: Any) -> Any:
-        from megastart.manager import call_hook
-
         self._raise_if_failed(name)
         try:
             return call_hook(name, **kwargs)
@@ -237,14 +242,3 @@ def unwrap_chunk(chunk: Any) -> Any:
     while isinstance(chunk, (DistributedDataParallel, Float16Module)):
         chunk = chunk.module
     return chunk
-
-
-def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str) -> Any:
-    return kwargs[name] if name in kwargs else args[index]
-
-
-def _settings() -> ArealSettings:
-    from megastart.manager import get_settings
-
-    section: ArealSettings = get_settings().section(ArealAdapter.host)
-    return section

@@ -50,16 +50,13 @@ from typing import Any, ClassVar
 
 import wrapt
 
-from megastart.engines.base import EngineAdapter
+from megastart.engines.base import EngineAdapter, argument, before_first_step, unwrap
 from megastart.engines.verl_common import (
     BRIDGE_LOADERS,
-    argument,
-    first_step_of_process,
     load_through_hook,
     restore_log_level,
     shadowed,
     show_summaries,
-    unwrap_exactly,
     verl_context,
 )
 from megastart.manager import call_hook
@@ -93,9 +90,9 @@ class VerlAdapter(EngineAdapter):
 
     def _detach(self, module: ModuleType) -> None:
         engine = module.MegatronEngine
-        unwrap_exactly(engine, "_build_megatron_module", self._build)
-        unwrap_exactly(engine, "load_checkpoint", self._load)
-        unwrap_exactly(engine, "forward_backward_batch", self._step)
+        unwrap(engine, "_build_megatron_module", self._build)
+        unwrap(engine, "load_checkpoint", self._load)
+        unwrap(engine, "forward_backward_batch", self._step)
         restore_log_level()
 
     # -- wrappers ------------------------------------------------------------
@@ -138,8 +135,7 @@ class VerlAdapter(EngineAdapter):
     def _before_first_step(
         self, wrapped: Callable[..., Any], engine: Any, args: Any, kwargs: Any
     ) -> Any:
-        if first_step_of_process():
-            call_hook("pre_first_step", engine=self._context(engine))
+        before_first_step(lambda: call_hook("pre_first_step", engine=self._context(engine)))
         return wrapped(*args, **kwargs)
 
     # -- the host-agnostic view ----------------------------------------------

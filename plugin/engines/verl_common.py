@@ -4,14 +4,13 @@ legacy-worker adapter (verl 0.7).
 Both can be attached in one process: verl 0.7 with
 ``trainer.use_legacy_worker_impl=disable`` trains the actor on the engine and a
 Megatron critic in the legacy ``CriticWorker``, colocated in one Ray actor. So
-what is per process is kept here, once for both: ``pre_first_step`` runs before
-the first step of either, and the log level they raise is put back when the last
-of them detaches.
+the log level they raise is kept here, once for both, and put back when the last
+of them detaches (``pre_first_step``, once per process, is
+:func:`megastart.engines.base.before_first_step`).
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -20,8 +19,8 @@ from typing import Any
 
 import wrapt
 
-from megastart.engines.base import EngineAdapter
-from megastart.manager import call_hook, get_settings
+from megastart.engines.base import EngineAdapter, argument
+from megastart.manager import call_hook
 from megastart.records import EngineContext
 
 log = logging.getLogger("megastart")
@@ -36,17 +35,8 @@ VALUE_MODEL_NOT_HOOKED = (
 )
 
 _lock = threading.Lock()
-_first_step_seen = False
 _log_level_holders = 0
 _saved_log_level = logging.NOTSET
-
-
-def first_step_of_process() -> bool:
-    """True exactly once per process: at the first training step of any verl adapter."""
-    global _first_step_seen
-    with _lock:
-        first, _first_step_seen = not _first_step_seen, True
-    return first
 
 
 def show_summaries() -> None:
@@ -84,16 +74,13 @@ def verl_context(
     from megatron.core import parallel_state
     from verl.utils.megatron_utils import unwrap_model
 
-    return EngineContext(
-        host=adapter.host,
-        host_version=str(adapter.compatibility().installed_version),
-        model_chunks=tuple(unwrap_model(list(model))),
+    return adapter.engine_context(
+        model_chunks=unwrap_model(list(model)),
         parallel_state=parallel_state,
         device=training_device(),
         dtype=dtype,
         hf_config=hf_config,
         is_restart=is_restart,
-        settings=get_settings(),
         extra=extra,
     )
 
@@ -139,14 +126,6 @@ def training_device() -> Any:
     return torch.device("cpu")
 
 
-def argument(function: Callable[..., Any], args: Any, kwargs: Any, position: int) -> Any:
-    """The value of ``function``'s parameter at ``position``, passed by position or by name."""
-    if len(args) > position:
-        return args[position]
-    name = list(inspect.signature(function).parameters)[position]
-    return kwargs.get(name)
-
-
 @contextmanager
 def shadowed(obj: Any, name: str, wrapper: Callable[..., Any]) -> Iterator[None]:
     """Wrap ``obj.name`` on this object only (an instance or a module), until the block ends."""
@@ -160,19 +139,3 @@ def shadowed(obj: Any, name: str, wrapper: Callable[..., Any]) -> Iterator[None]
             setattr(obj, name, original)
         else:
             delattr(obj, name)
-
-
-def unwrap_exactly(owner: type, name: str, wrapper: Any) -> None:
-    """Put back the function ``wrapper`` replaced; refuse if someone replaced it since.
-
-    Already restored is fine, so ``detach`` can be retried after such a refusal.
-    """
-    current = vars(owner).get(name)
-    if current is wrapper.__wrapped__:
-        return
-    if current is not wrapper:
-        raise RuntimeError(
-            f"megastart: cannot restore {owner.__qualname__}.{name}: it was replaced after "
-            "megastart wrapped it; detach the later wrapper first"
-        )
-    setattr(owner, name, wrapper.__wrapped__)

@@ -47,16 +47,13 @@ from typing import Any, ClassVar
 
 import wrapt
 
-from megastart.engines.base import EngineAdapter
+from megastart.engines.base import EngineAdapter, argument, before_first_step, unwrap
 from megastart.engines.verl_common import (
     BRIDGE_LOADERS,
-    argument,
-    first_step_of_process,
     load_through_hook,
     restore_log_level,
     shadowed,
     show_summaries,
-    unwrap_exactly,
     verl_context,
 )
 from megastart.manager import call_hook
@@ -113,7 +110,7 @@ class VerlLegacyAdapter(EngineAdapter):
     def _detach(self, module: ModuleType) -> None:
         for name, wrapper in self._wrappers.items():
             owner, method = name.split(".")
-            unwrap_exactly(getattr(module, owner), method, wrapper)
+            unwrap(getattr(module, owner), method, wrapper)
         restore_log_level()
 
     # -- wrappers ------------------------------------------------------------
@@ -177,8 +174,11 @@ class VerlLegacyAdapter(EngineAdapter):
     def _before_first_step(
         self, wrapped: Callable[..., Any], worker: Any, args: Any, kwargs: Any
     ) -> Any:
-        if first_step_of_process():
-            call_hook("pre_first_step", engine=self._context(worker, _trained_model(worker)))
+        before_first_step(
+            lambda: call_hook(
+                "pre_first_step", engine=self._context(worker, _trained_model(worker))
+            )
+        )
         return wrapped(*args, **kwargs)
 
     # -- the host-agnostic view ----------------------------------------------
