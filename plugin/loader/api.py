@@ -22,7 +22,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from megastart.distributed import OwnGroups, all_or_none, broadcast_or_raise
 from megastart.loader.checkpoint import CheckpointMeta, read_metadata
 from megastart.loader.model import UnsupportedArchitecture, local_needs, mapping_table
-from megastart.loader.plan import Demand, PlanError, build_plan, receiver_sets, unused_tensors
+from megastart.loader.plan import (
+    Demand,
+    PlanError,
+    build_plan,
+    left_to_host,
+    receiver_sets,
+    unused_tensors,
+)
 from megastart.loader.settings import Rank0LoaderSettings
 from megastart.loader.stream import Stream
 from megastart.loader.transport import (
@@ -54,6 +61,8 @@ class RankDemands(NamedTuple):
     """The HF tensors each of its parameters takes, and the parameter's dtype."""
     device: str
     """The device type of its parameters (``"cuda"``, ``"cpu"``)."""
+    left_to_host: list[str]
+    """Its parameters the load leaves as the host initialised them (canonical names)."""
 
 
 class Streamed(NamedTuple):
@@ -72,7 +81,9 @@ def load_for_engine(engine: EngineContext, checkpoint: str) -> LoadReport | None
 
         settings = get_settings().section(PLUGIN)
     try:
-        return load_hf_checkpoint(engine.model_chunks, checkpoint, settings=settings)
+        return load_hf_checkpoint(
+            engine.model_chunks, checkpoint, settings=settings, value_model=engine.value_model
+        )
     except (
         UnsupportedArchitecture
     ) as e:  # decided on every rank from the same metadata, before any transfer
@@ -85,7 +96,11 @@ def load_for_engine(engine: EngineContext, checkpoint: str) -> LoadReport | None
 
 
 def load_hf_checkpoint(
-    model_chunks: Sequence[Any], checkpoint_dir: str, *, settings: Rank0LoaderSettings | None = None
+    model_chunks: Sequence[Any],
+    checkpoint_dir: str,
+    *,
+    settings: Rank0LoaderSettings | None = None,
+    value_model: bool = False,
 ) -> LoadReport:
     """Load an HF checkpoint into this rank's Megatron-core model chunks, reading it once.
 
@@ -96,6 +111,10 @@ def load_hf_checkpoint(
         stage (unwrapped from DDP / Float16Module).
     :param checkpoint_dir: the directory with ``config.json`` and ``*.safetensors``.
     :param settings: the ``rank0_loader`` settings; by default the resolved ones.
+    :param value_model: the chunks are a value model (critic, reward model): the last
+        stage's ``output_layer`` is a one-output head. It is read from the checkpoint's
+        reward head of its shape (``score.weight``, ...) if there is one, and otherwise
+        left as the host initialised it and named in the report's ``left_to_host``.
     :returns: what was read and sent, and how long it took (same figures on every rank).
     :raises megastart.distributed.CollectiveError: on every rank, when any rank
         failed; the message names the first failing rank and its error.
@@ -105,11 +124,16 @@ def load_hf_checkpoint(
     settings = settings or _default_settings()
     start = time.perf_counter()
     with OwnGroups(timeout_s=settings.timeout_s) as own:
-        return _load(list(model_chunks), str(checkpoint_dir), settings, own, start)
+        return _load(list(model_chunks), str(checkpoint_dir), settings, own, start, value_model)
 
 
 def _load(
-    chunks: list[Any], checkpoint: str, settings: Rank0LoaderSettings, own: OwnGroups, start: float
+    chunks: list[Any],
+    checkpoint: str,
+    settings: Rank0LoaderSettings,
+    own: OwnGroups,
+    start: float,
+    value_model: bool,
 ) -> LoadReport:
     import torch.distributed as dist
 
@@ -127,16 +151,17 @@ def _load(
     table = mapping_table(meta)
 
     with phase(f"{PLUGIN}: planning") as planned:
-        params, tensors, shard, needs = local_needs(chunks, meta, table)
+        params, tensors, shard, needs = local_needs(chunks, meta, table, value_model=value_model)
         device = tensors[next(iter(tensors))].device if tensors else _cpu()
         demands = [(n.hf, n.param.dtype) for n in needs]
-        planned.share(RankDemands(node_key(), demands, device.type))
+        left = [p.name for p in left_to_host(params, needs)]
+        planned.share(RankDemands(node_key(), demands, device.type, left))
     by_rank: list[RankDemands] = planned.shared
     groups = reader_groups(settings.reader, [r.node for r in by_rank])
     group = next(g for g in groups if rank in g)
 
     with phase(f"{PLUGIN}: planning"):
-        unused = unused_tensors([r.demands for r in by_rank], meta, table)
+        unused = unused_tensors([r.demands for r in by_rank], meta, table, value_model=value_model)
         if unused and settings.strict:
             raise PlanError(_unused_message(unused, checkpoint, strict=True))
         plan = build_plan(
@@ -153,6 +178,15 @@ def _load(
         backend = _backend(settings.transport, {r.device for r in by_rank})
     if unused and rank == 0:
         log.warning("megastart: %s", _unused_message(unused, checkpoint, strict=False))
+    left_by_all = tuple(sorted({name for r in by_rank for name in r.left_to_host}))
+    if left_by_all and rank == 0:
+        log.info(
+            "megastart: %s keep the host's initialisation: %r holds no value head of their shape "
+            "(looked for %s)",
+            list(left_by_all),
+            checkpoint,
+            ", ".join(table.value_head_sources),
+        )
 
     # One gloo reader group can send over the control group: one group fewer to connect.
     single_gloo = backend == "gloo" and len(groups) == 1
@@ -166,7 +200,7 @@ def _load(
         read, sent = (
             stream.run_reader(meta, settings) if rank == group[0] else stream.run_receiver()
         )
-        coverage.check(params)
+        coverage.check([n.param for n in needs])  # every parameter but those left to the host
         loaded.share(Streamed(read, sent))
     moved: list[Streamed] = loaded.shared
     return LoadReport(
@@ -177,6 +211,7 @@ def _load(
         seconds=time.perf_counter() - start,
         reader_ranks=tuple(g[0] for g in groups),
         tensors=len({name for r in by_rank for names, _ in r.demands for name in names}),
+        left_to_host=left_by_all,
     )
 
 
