@@ -148,6 +148,7 @@ class EngineAdapter(ABC):
         hf_config: Any,
         is_restart: bool,
         extra: Mapping[str, Any],
+        value_model: bool = False,
     ) -> EngineContext:
         """The ``EngineContext`` of one of this host's models, with this process's settings."""
         return EngineContext(
@@ -159,6 +160,7 @@ class EngineAdapter(ABC):
             dtype=dtype,
             hf_config=hf_config,
             is_restart=is_restart,
+            value_model=value_model,
             settings=get_settings(),
             extra=extra,
         )

@@ -27,18 +27,18 @@ surrounding verl code (DDP wrapping, PEFT, routing replay, printing) runs
 unchanged. Runs with ``use_dist_checkpointing`` load a Megatron checkpoint, not
 HF weights, and are left alone.
 
-``EngineContext.extra`` carries, for plugins that need them:
+``EngineContext.extra`` carries ``"verl_engine"``: the ``MegatronEngine`` itself.
 
-- ``"verl_engine"``: the ``MegatronEngine`` itself;
-- ``"value_model"``: True for a critic, whose ``output_layer`` is a value head.
-
-A critic's model is loaded by verl itself: its value head is not in the HF
-checkpoint, and ``on_model_load`` promises every parameter filled, so the hook
-is not called for it (one line on rank 0 says so). Which engine holds a value
-model is verl's own decision, ``engine.is_value_model``, which every verl from
-0.7 to 0.9 sets before it loads (0.7 from the architecture's name, later
-versions from ``model_type``). ``post_recover_load`` and
-``pre_first_step`` run for critics as for actors.
+A critic (``MegatronEngineWithValueHead``) is loaded through ``on_model_load``
+too, with ``EngineContext.value_model`` set: verl has built its value head
+(``LinearForLastLayer``, one output, embeddings untied), and a plugin loads the
+backbone and either reads the head from the checkpoint's reward head or leaves
+it as verl initialised it (verl's own loaders keep it too, unless the checkpoint
+holds a one-row ``lm_head.weight``). Which engine holds a value model is verl's
+own decision, ``engine.is_value_model``, which every verl from 0.7 to 0.9 sets
+before it loads (0.7 from the architecture's name, later versions from
+``model_type``). ``post_recover_load`` and ``pre_first_step`` run for critics as
+for actors.
 """
 
 from __future__ import annotations
@@ -112,7 +112,6 @@ class VerlAdapter(EngineAdapter):
                 wrapped,
                 args,
                 kwargs,
-                value_model=bool(engine.is_value_model),  # set by verl before it loads (0.7-0.9)
                 context=partial(self._context, engine),
                 model_at=0,
                 checkpoint=argument(wrapped, args, kwargs, 1) or engine.model_config.local_path,
@@ -149,5 +148,6 @@ class VerlAdapter(EngineAdapter):
             dtype=engine.param_dtype,
             hf_config=engine.model_config.hf_config,
             is_restart=is_restart,
-            extra={"verl_engine": engine, "value_model": bool(engine.is_value_model)},
+            value_model=bool(engine.is_value_model),  # set by verl before it loads (0.7-0.9)
+            extra={"verl_engine": engine},
         )

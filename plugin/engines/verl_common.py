@@ -29,11 +29,6 @@ BRIDGE_LOADERS = {True: "load_weights", False: "load_hf_weights"}
 """``vanilla_bridge`` -> the bridge method verl loads HF weights with (mbridge's
 ``load_weights``, Megatron-Bridge's ``load_hf_weights``)."""
 
-VALUE_MODEL_NOT_HOOKED = (
-    "megastart: on_model_load is not called for verl's value model (critic): its value head "
-    "is not in the HF checkpoint, and the hook must fill every parameter; verl's own loader runs"
-)
-
 _lock = threading.Lock()
 _log_level_holders = 0
 _saved_log_level = logging.NOTSET
@@ -68,6 +63,7 @@ def verl_context(
     dtype: Any,
     hf_config: Any,
     is_restart: bool = False,
+    value_model: bool,
     extra: dict[str, Any],
 ) -> EngineContext:
     """The host-agnostic view of one verl model (a list of DDP/Float16 chunks)."""
@@ -81,6 +77,7 @@ def verl_context(
         dtype=dtype,
         hf_config=hf_config,
         is_restart=is_restart,
+        value_model=value_model,
         extra=extra,
     )
 
@@ -90,31 +87,20 @@ def load_through_hook(
     args: Any,
     kwargs: Any,
     *,
-    value_model: bool,
     context: Callable[[Any], EngineContext],
     model_at: int,
     checkpoint: Any,
 ) -> Any:
     """Run one of verl's HF loaders behind ``on_model_load``: the loader itself only if no
-    plugin handled the load, or for a value model (its head is not in the checkpoint).
+    plugin handled the load (a critic's too: the context says it is a value model).
 
     :param context: the engine context for the model chunks the loader was given.
     :param model_at: the loader's parameter that holds those chunks.
     """
-    if value_model:
-        log_rank0(VALUE_MODEL_NOT_HOOKED)
-        return wrapped(*args, **kwargs)
     model = argument(wrapped, args, kwargs, model_at)
     if call_hook("on_model_load", engine=context(model), checkpoint=str(checkpoint)) is None:
         return wrapped(*args, **kwargs)
     return None
-
-
-def log_rank0(message: str) -> None:
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        log.info(message)
 
 
 def training_device() -> Any:
