@@ -133,10 +133,7 @@ def test_a_critic_falls_through_to_verl_when_rank0_loader_is_blocked(pool, check
         **PROBE_ONLY,
     )
     for out in ranks:
-        assert [(c["hook"], c["value_model"]) for c in out["calls"]] == [("on_model_load", True)]
-        params = out["params"]
-        embedding = verl_cpu.hf_shard(checkpoint, "model.embed_tokens.weight", out["tp_rank"])
-        assert torch.equal(params["embedding.word_embeddings.weight"], embedding)
+        verl_cpu.check_critic_fell_through_to_verl(out, checkpoint)
 
 
 @CRITICS_ON_THE_ENGINE
@@ -163,11 +160,5 @@ def test_a_critic_takes_a_reward_checkpoints_score_head(pool, reward_checkpoint)
         value_model=True,
         MEGASTART_BLOCKLIST="comm_warmup,verl_probe",
     )
-    score = verl_cpu.hf_tensor(reward_checkpoint, "score.weight")
     for out in ranks:
-        params = out["params"]
-        assert torch.equal(params["output_layer.weight"], score)
-        embedding = verl_cpu.hf_shard(
-            reward_checkpoint, "model.embed_tokens.weight", out["tp_rank"]
-        )
-        assert torch.equal(params["embedding.word_embeddings.weight"], embedding)
+        verl_cpu.check_critic_from_reward_checkpoint(out, reward_checkpoint)

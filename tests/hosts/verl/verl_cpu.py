@@ -366,6 +366,27 @@ def check_loaded_from_hf(out: dict[str, Any], checkpoint: str) -> None:
     assert torch.equal(params["output_layer.weight"], lm_head)
 
 
+def check_critic_fell_through_to_verl(out: dict[str, Any], checkpoint: str) -> None:
+    """A critic's load reached ``on_model_load`` as a value model, no plugin handled it,
+    and verl's own loader wrote the backbone (this rank's embedding rows)."""
+    import torch
+
+    assert [(c["hook"], c["value_model"]) for c in out["calls"]] == [("on_model_load", True)]
+    embedding = hf_shard(checkpoint, "model.embed_tokens.weight", out["tp_rank"])
+    assert torch.equal(out["params"]["embedding.word_embeddings.weight"], embedding)
+
+
+def check_critic_from_reward_checkpoint(out: dict[str, Any], checkpoint: str) -> None:
+    """A critic loaded from a reward model's checkpoint: the value head is its
+    ``score.weight``, the backbone its decoder (this rank's embedding rows)."""
+    import torch
+
+    params = out["params"]
+    assert torch.equal(params["output_layer.weight"], hf_tensor(checkpoint, "score.weight"))
+    embedding = hf_shard(checkpoint, "model.embed_tokens.weight", out["tp_rank"])
+    assert torch.equal(params["embedding.word_embeddings.weight"], embedding)
+
+
 def check_same_weights_one_reader(ranks: list[dict[str, Any]]) -> str:
     """:func:`loaders_on_rank` on every rank: only rank 0 read, and both loaders
     wrote the same weights. Returns rank 0's summary line of the load."""

@@ -117,10 +117,10 @@ def use_cpu_as_verls_device() -> None:
 # -- run on every rank ------------------------------------------------------------
 
 
-def worker(checkpoint: str, role: str, *, use_mbridge: bool, **env: str) -> Any:
-    """verl's ``ActorRolloutRefWorker`` for ``role``, after its own ``init_model``."""
+def prepared_config(checkpoint: str, *, use_mbridge: bool, **env: str) -> Any:
+    """This rank made ready to build a worker (settings from ``env``, the probe's calls
+    cleared, Megatron initialised, the shims on), and the workers' config."""
     import megastart_verl_probe
-    from verl.workers.megatron_workers import ActorRolloutRefWorker
 
     from megastart.demo.cpu import initialize_megatron
 
@@ -132,7 +132,14 @@ def worker(checkpoint: str, role: str, *, use_mbridge: bool, **env: str) -> Any:
         verl_cpu.use_local_spec_in_mbridge()
     else:
         use_local_spec_in_verl()
-    config = worker_config(checkpoint, use_mbridge=use_mbridge)
+    return worker_config(checkpoint, use_mbridge=use_mbridge)
+
+
+def worker(checkpoint: str, role: str, *, use_mbridge: bool, **env: str) -> Any:
+    """verl's ``ActorRolloutRefWorker`` for ``role``, after its own ``init_model``."""
+    from verl.workers.megatron_workers import ActorRolloutRefWorker
+
+    config = prepared_config(checkpoint, use_mbridge=use_mbridge, **env)
     built = ActorRolloutRefWorker(config.actor_rollout_ref, role=role)
     built.init_model()
     return built
@@ -183,22 +190,11 @@ def critic_model(checkpoint: str, *, use_mbridge: bool, **env: str) -> tuple[Any
     """verl's ``CriticWorker.init_model`` until Megatron's optimizer stops it on CPU
     (it allocates on ``cuda``), after the HF load: the critic's model chunks as verl
     built and loaded them, and where verl stopped."""
-    import megastart_verl_probe
     from verl.utils import megatron_utils
     from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.megatron_workers import CriticWorker
 
-    from megastart.demo.cpu import initialize_megatron
-
-    verl_cpu.configure_megastart(**env)
-    megastart_verl_probe.CALLS.clear()
-    initialize_megatron(tp=TP)
-    use_cpu_as_verls_device()
-    if use_mbridge:
-        verl_cpu.use_local_spec_in_mbridge()
-    else:
-        use_local_spec_in_verl()
-    config = worker_config(checkpoint, use_mbridge=use_mbridge)
+    config = prepared_config(checkpoint, use_mbridge=use_mbridge, **env)
     built: list[Any] = []
     make = megatron_utils.make_megatron_module
 
