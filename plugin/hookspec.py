@@ -68,8 +68,8 @@ def on_model_load(engine: EngineContext, checkpoint: str) -> LoadReport | None:
     The head is the host's, initialised by it, unless the checkpoint holds a
     reward head of exactly its shape (``score.weight`` of a
     ``*ForSequenceClassification`` / ``*ForTokenClassification`` checkpoint, a
-    ``reward_head.weight``, or a one-row ``lm_head.weight`` as verl's critic
-    exports write it); then the head is read from it. An implementation that
+    ``reward_head.weight``, or a one-row ``lm_head.weight``, which verl's own
+    loaders take too); then the head is read from it. An implementation that
     reads no such head must leave the head's parameters untouched and name
     them in ``LoadReport.left_to_host``. A vocabulary ``lm_head.weight`` (or,
     with tied embeddings, the embedding) never goes into a value head. An

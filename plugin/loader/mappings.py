@@ -42,8 +42,8 @@ VALUE_HEAD_SOURCES = ("lm_head.weight", "reward_head.weight", "score.weight")
 """HF tensors a value head's weight is read from: the first of the head's own shape
 (``[1, hidden]``) wins, in the order verl's loader tries them
 (``verl.models.mcore.loader.load_state_dict_to_megatron_gptmodel``). A one-row
-``lm_head.weight`` is a value head saved under the LM head's name (verl's critic
-exports); a vocabulary ``lm_head.weight`` never has that shape, so it never fills a value head."""
+``lm_head.weight`` is a value head saved under the LM head's name (verl's legacy
+loader and mbridge take it too); a vocabulary ``lm_head.weight`` never has that shape, so it never fills a value head."""
 
 VALUE_MODEL_UNCHECKED = ("tie_word_embeddings",)
 """HF config keys a value model need not agree on: its head is never tied to the embedding."""
