@@ -4,7 +4,12 @@ Where each hook runs (AReaL 1.0.4):
 
 - ``on_model_load`` replaces ``MegatronEngine._load_model_from_hf`` (called by
   ``initialize`` on every start, restarts included); ``None`` runs AReaL's own
-  loader.
+  loader. A critic (``TrainEngineConfig.is_critic``: AReaL replaced its
+  ``output_layer`` with a one-output ``ValueHead``) is a value model
+  (``EngineContext.value_model``); after a plugin loaded it, the adapter does
+  what AReaL's loader does last for a critic: where the checkpoint directory has
+  AReaL's own ``value_head.pt`` (written by ``save_critic_value_head``), the last
+  pipeline stage loads the head from it.
 - ``post_recover_load`` right after ``MegatronEngine.load`` restored a recover
   checkpoint (``RecoverHandler._load_checkpoint``: DCP format, a
   ``recover_checkpoint`` directory), before ``update_weights``. In AReaL builds
@@ -127,6 +132,8 @@ class ArealAdapter(EngineAdapter):
         report = self._call_hook("on_model_load", engine=self.context(instance), checkpoint=path)
         if report is None:
             return wrapped(*args, **kwargs)
+        if instance.config.is_critic:
+            load_saved_value_head(instance, path)
         return None
 
     def _load(self, wrapped: Wrapped, instance: Any, args: Any, kwargs: Any) -> Any:
@@ -179,6 +186,7 @@ class ArealAdapter(EngineAdapter):
             dtype=engine.dtype,
             hf_config=getattr(engine, "hf_config", None),
             is_restart=is_restart,
+            value_model=bool(engine.config.is_critic),
             extra={
                 "areal_engine": engine,
                 "ddp_config": getattr(engine.model[0], "ddp_config", None),
@@ -232,6 +240,34 @@ def is_recover_load(meta: Any) -> bool:
     """
     path = os.path.normpath(str(meta.path))
     return meta.weight_format == "dcp" and os.path.basename(path) == "recover_checkpoint"
+
+
+VALUE_HEAD_FILE = "value_head.pt"
+"""Where AReaL 1.0.4 keeps a critic's value head next to its HF weights
+(``areal.models.mcore.hf_save.save_critic_value_head``)."""
+
+
+def load_saved_value_head(engine: Any, path: str) -> None:
+    """Load the critic's value head from AReaL's ``value_head.pt`` in ``path``, if there is one.
+
+    The same as the end of AReaL's ``load_weights_from_hf_with_mbridge_fast`` for a
+    critic: on the last pipeline stage, ``torch.load(weights_only=True)`` of the head's
+    state dict (a few KB) into each chunk's ``output_layer``; no collective. Without
+    the file the head stays as the plugin left it (from a reward head, or AReaL's
+    initialisation).
+    """
+    import torch
+    from megatron.core import parallel_state
+
+    saved = os.path.join(path, VALUE_HEAD_FILE)
+    if not parallel_state.is_pipeline_last_stage() or not os.path.exists(saved):
+        return
+    state = torch.load(saved, weights_only=True)
+    for chunk in engine.model:
+        model = unwrap_chunk(chunk)
+        if hasattr(model, "output_layer"):
+            model.output_layer.load_state_dict(state)
+    log.info("megastart: loaded the critic's value head from %s, as AReaL does", saved)
 
 
 def unwrap_chunk(chunk: Any) -> Any:
