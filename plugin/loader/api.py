@@ -181,8 +181,8 @@ def _load(
     left_by_all = tuple(sorted({name for r in by_rank for name in r.left_to_host}))
     if left_by_all and rank == 0:
         log.info(
-            "megastart: %s keep the host's initialisation: %r holds no value head of their shape "
-            "(looked for %s)",
+            "megastart: value head %s keeps the host's initialisation: %r has no tensor of "
+            "its shape for it (a weight is looked for in %s; a bias never is)",
             list(left_by_all),
             checkpoint,
             ", ".join(table.value_head_sources),
