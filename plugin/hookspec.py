@@ -55,14 +55,30 @@ def on_model_load(engine: EngineContext, checkpoint: str) -> LoadReport | None:
     :param checkpoint: the HF checkpoint directory (``config.json`` and
         ``*.safetensors``).
     :returns: a :class:`~megastart.records.LoadReport` when this implementation
-        loaded every parameter of every chunk; ``None`` to let the next
-        implementation (and finally the host) load. The decision to return
-        ``None`` must be the same on every rank and taken before any bulk
-        collective.
+        loaded every parameter of every chunk (for a value model: every one
+        but those the report names in ``left_to_host``); ``None`` to let the
+        next implementation (and finally the host) load. The decision to
+        return ``None`` must be the same on every rank and taken before any
+        bulk collective.
+
+    **Value models.** ``engine.value_model`` is true for a critic or a reward
+    model: the same decoder, with a one-output value head as the last stage's
+    ``output_layer`` (``[1, hidden]``, neither vocabulary-parallel nor tied to
+    the embedding). The backbone comes from the checkpoint as for any model.
+    The head is the host's, initialised by it, unless the checkpoint holds a
+    reward head of exactly its shape (``score.weight`` of a
+    ``*ForSequenceClassification`` / ``*ForTokenClassification`` checkpoint, a
+    ``reward_head.weight``, or a one-row ``lm_head.weight``, which verl's own
+    loaders take too); then the head is read from it. An implementation that
+    reads no such head must leave the head's parameters untouched and name
+    them in ``LoadReport.left_to_host``. A vocabulary ``lm_head.weight`` (or,
+    with tied embeddings, the embedding) never goes into a value head. An
+    implementation that does not handle value models returns ``None`` for
+    them.
 
     An implementation must not leave parameters half-written: it either fills
-    every element of every local parameter or raises on every rank. It must
-    not keep process groups or communicator buffers alive after returning.
+    every element of every local parameter it owns or raises on every rank. It
+    must not keep process groups or communicator buffers alive after returning.
     """
 
 

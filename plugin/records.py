@@ -50,6 +50,11 @@ class EngineContext:
     is_restart: bool = False
     """True when this process resumes from a recover checkpoint."""
 
+    value_model: bool = False
+    """True for a value model (a critic, a reward model): the last stage's ``output_layer``
+    is a one-output value head, not the LM head. The head belongs to the host unless the
+    checkpoint holds a reward head of its shape (see ``on_model_load``)."""
+
     settings: Settings | None = None
     """The resolved megastart settings (``None``: resolve from the environment)."""
 
@@ -82,6 +87,10 @@ class LoadReport:
     tensors: int = 0
     """Checkpoint tensors consumed."""
 
+    left_to_host: tuple[str, ...] = ()
+    """Megatron parameters (canonical names, every rank's together) the load did not touch
+    and that keep the host's initialisation: a value head the checkpoint has no tensor for."""
+
     @property
     def throughput_gbps(self) -> float:
         """Checkpoint gigabytes (1e9 bytes) per second of wall time."""
@@ -92,6 +101,7 @@ class LoadReport:
             f"{self.plugin}: {self.tensors} tensors, {self.bytes_read / 1e9:.2f} GB read by "
             f"rank(s) {list(self.reader_ranks)}, {self.bytes_broadcast / 1e9:.2f} GB broadcast, "
             f"{self.seconds:.2f} s ({self.throughput_gbps:.2f} GB/s)"
+            + (f"; left to the host: {list(self.left_to_host)}" if self.left_to_host else "")
         )
 
 

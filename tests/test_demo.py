@@ -131,17 +131,28 @@ def test_architecture_without_a_mapping_fails_before_any_rank_starts(
     tiny_checkpoint: Path, tmp_path: Path
 ) -> None:
     config = json.loads((tiny_checkpoint / "config.json").read_text())
-    config["architectures"] = ["Qwen2ForTokenClassification"]
+    config["architectures"] = ["Qwen2ForQuestionAnswering"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     proc = megastart_demo("--checkpoint", str(tmp_path))
     assert proc.returncode == 2
-    assert "['Qwen2ForTokenClassification']" in proc.stderr
+    assert "['Qwen2ForQuestionAnswering']" in proc.stderr
     assert "no mapping" in proc.stderr and "Qwen2ForCausalLM" in proc.stderr
     assert "megastart.mappings" in proc.stderr
 
     (tmp_path / "config.json").write_text(json.dumps(config | {"model_type": "gpt2"}))
     proc = megastart_demo("--checkpoint", str(tmp_path))
     assert proc.returncode == 2 and "model_type='gpt2'" in proc.stderr
+
+
+def test_reward_model_checkpoint_is_refused_before_any_rank_starts(
+    tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    config = json.loads((tiny_checkpoint / "config.json").read_text())
+    config["architectures"] = ["Qwen2ForTokenClassification"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    proc = megastart_demo("--checkpoint", str(tmp_path))
+    assert proc.returncode == 2
+    assert "a reward model's checkpoint" in proc.stderr and "causal LM" in proc.stderr
 
 
 def test_blocked_loader_is_refused_because_the_demo_has_no_loader_of_its_own(

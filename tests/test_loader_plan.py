@@ -17,6 +17,8 @@ from megastart.loader.plan import (
     Plan,
     PlanError,
     build_plan,
+    check_config,
+    left_to_host,
     receiver_sets,
     resolve_needs,
     unused_tensors,
@@ -160,6 +162,82 @@ def test_tied_checkpoint_feeds_the_output_layer_from_the_embedding() -> None:
     assert {n.param.name: n.hf for n in needs}["output_layer.weight"] == (
         "model.embed_tokens.weight",
     )
+
+
+def critic_params(tp: int) -> list[ParamInfo]:
+    """A value model's shard as verl builds it: the LM head replaced by a one-output head."""
+    params = [p for p in megatron_params(tp, te_spec=False) if p.name != "output_layer.weight"]
+    return [
+        *params,
+        ParamInfo(0, "output_layer.weight", "output_layer.weight", (1, HIDDEN), "float32"),
+    ]
+
+
+def reward_checkpoint(head: tuple[int, ...] = (1, HIDDEN)) -> CheckpointMeta:
+    """A ``*ForSequenceClassification`` checkpoint: the decoder and ``score.weight``, no LM head."""
+    shapes = hf_shapes()
+    del shapes["lm_head.weight"]
+    meta = checkpoint({**shapes, "score.weight": head})
+    meta.config["architectures"] = ["Qwen3ForSequenceClassification"]
+    return meta
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_value_head_without_a_reward_head_in_the_checkpoint_is_left_to_the_host(tied: bool) -> None:
+    shapes = hf_shapes()
+    if tied:
+        del shapes["lm_head.weight"]
+    meta = checkpoint(shapes)
+    meta.config["tie_word_embeddings"] = tied
+    params = critic_params(2)
+    needs = resolve_needs(params, QWEN3, meta, shard(2), value_model=True)
+    assert [p.name for p in left_to_host(params, needs)] == ["output_layer.weight"]
+    assert all(n.param.name != "output_layer.weight" for n in needs)
+    # neither the vocabulary LM head nor the embedding is copied into it; neither is "unused"
+    assert unused_tensors([[(n.hf, "float32") for n in needs]], meta, QWEN3, value_model=True) == []
+
+
+def test_value_head_reads_the_score_head_of_a_reward_checkpoint() -> None:
+    meta = reward_checkpoint()
+    table = mapping_for("Qwen3ForSequenceClassification")
+    assert table is QWEN3
+    params = critic_params(2)
+    needs = resolve_needs(params, table, meta, shard(2, rank=1), value_model=True)
+    head = {n.param.name: n for n in needs}["output_layer.weight"]
+    assert (head.hf, head.transform) == (("score.weight",), "replicated")
+    assert left_to_host(params, needs) == []
+
+
+def test_a_score_head_of_another_shape_is_not_a_value_head() -> None:
+    params = critic_params(1)
+    needs = resolve_needs(params, QWEN3, reward_checkpoint((2, HIDDEN)), shard(1), value_model=True)
+    assert [p.name for p in left_to_host(params, needs)] == ["output_layer.weight"]
+
+
+def test_value_model_does_not_need_the_checkpoint_tied_like_the_model() -> None:
+    megatron = {"share_embeddings_and_output_weights": False}
+    tied = {"tie_word_embeddings": True}
+    check_config(QWEN3, tied, megatron, checkpoint="/ckpt", value_model=True)
+    with pytest.raises(PlanError, match=r"tie_word_embeddings=True in config\.json"):
+        check_config(QWEN3, tied, megatron, checkpoint="/ckpt")
+
+
+def test_value_model_whose_output_layer_is_the_lm_head_is_refused() -> None:
+    with pytest.raises(PlanError, match=r"'output_layer.weight' .*is not a value head"):
+        resolve_needs(
+            megatron_params(1, te_spec=False),
+            QWEN3,
+            checkpoint(hf_shapes()),
+            shard(1),
+            value_model=True,
+        )
+
+
+def test_reward_checkpoint_loaded_as_a_language_model_names_its_reward_head() -> None:
+    with pytest.raises(
+        PlanError, match=r"\['lm_head.weight'\] missing .*reward head \['score.weight'\]"
+    ):
+        resolve_needs(megatron_params(1, te_spec=False), QWEN3, reward_checkpoint(), shard(1))
 
 
 def needs_and_plan(tp: int, bucket_bytes: int) -> tuple[CheckpointMeta, list[list[Need]], Plan]:

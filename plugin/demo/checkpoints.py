@@ -12,6 +12,7 @@ keeps MoE experts fused in memory but writes one tensor per expert).
 from __future__ import annotations
 
 import bisect
+import copy
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -106,6 +107,7 @@ def make_checkpoint(
     tie_word_embeddings: bool = False,
     max_shard_size: int | str | None = None,
     seed: int = 0,
+    reward_model: bool = False,
     **config_overrides: Any,
 ) -> Path:
     """Write a random ``transformers`` model as a sharded safetensors checkpoint.
@@ -117,11 +119,14 @@ def make_checkpoint(
     :param max_shard_size: as ``save_pretrained`` takes it; by default a quarter
         of the model, so there are always several files and an index.
     :param seed: the weights are a function of the config and the seed.
+    :param reward_model: write a reward model instead of a causal LM: the
+        architecture's ``*ForSequenceClassification`` with one label (the
+        decoder and a ``score.weight`` of ``[1, hidden]``, no LM head).
     :returns: ``out_dir``, holding ``config.json``, ``model-*.safetensors`` and
         ``model.safetensors.index.json``.
     """
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
     from transformers.initialization import no_init_weights
 
     if isinstance(arch, str):
@@ -134,8 +139,12 @@ def make_checkpoint(
     else:
         config = arch
     dtype = getattr(torch, str(config.dtype or "float32").removeprefix("torch."))
+    auto = AutoModelForSequenceClassification if reward_model else AutoModelForCausalLM
+    if reward_model:
+        config = copy.deepcopy(config)
+        config.num_labels = 1
     with no_init_weights():  # _randomize writes every weight once; skip the default init
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = auto.from_config(config, dtype=dtype)
     _randomize(model, seed)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

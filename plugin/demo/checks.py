@@ -84,6 +84,14 @@ def check_architecture(config: Mapping[str, Any], checkpoint: str, *, loader_ena
     from megastart.loader.mappings import known_architectures, mapping_for
 
     architectures = list(config.get("architectures") or [])
+    if not any(arch in known_architectures() for arch in architectures) and any(
+        mapping_for(arch) is not None for arch in architectures
+    ):
+        raise DemoError(
+            f"{checkpoint}: config.json names architectures {architectures}: a reward model's "
+            "checkpoint, which loads into a value model (a critic), while the demo trains a "
+            "language model; pass a causal LM's checkpoint"
+        )
     if not any(mapping_for(arch) is not None for arch in architectures):
         raise DemoError(
             f"{checkpoint}: config.json names architectures {architectures}, for which megastart "

@@ -216,7 +216,9 @@ def _moe_fields(hf_config: Any) -> dict[str, Any]:
     return fields
 
 
-def forward_logits(chunks: list[GPTModel], input_ids: torch.Tensor) -> torch.Tensor:
+def forward_logits(
+    chunks: list[GPTModel], input_ids: torch.Tensor, *, value_model: bool = False
+) -> torch.Tensor:
     """Run ``chunks`` as one pipeline on ``input_ids``; the full logits on every rank.
 
     Every rank passes the same ``input_ids`` ([batch, seq], int64). Stages run
@@ -229,7 +231,9 @@ def forward_logits(chunks: list[GPTModel], input_ids: torch.Tensor) -> torch.Ten
     Causal attention, positions ``0..seq-1``, no sliding window (Mistral's window
     only matters for sequences longer than it).
 
-    :returns: fp32 logits, [batch, seq, hf_vocab_size], identical on every rank.
+    :param value_model: the last stage's ``output_layer`` is a one-output value head.
+    :returns: fp32 logits, [batch, seq, hf_vocab_size] (a value model's values:
+        [batch, seq, 1]), identical on every rank.
     """
     import torch
     import torch.distributed as dist
@@ -239,7 +243,7 @@ def forward_logits(chunks: list[GPTModel], input_ids: torch.Tensor) -> torch.Ten
         raise NotImplementedError("forward_logits: context parallelism is not supported")
     config = chunks[0].config
     batch, seq = input_ids.shape
-    vocab = chunks[0].vocab_size
+    width = 1 if value_model else chunks[0].vocab_size
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     pp_ranks = dist.get_process_group_ranks(pp_group)
     pp_size, pp_rank = len(pp_ranks), parallel_state.get_pipeline_model_parallel_rank()
@@ -271,6 +275,6 @@ def forward_logits(chunks: list[GPTModel], input_ids: torch.Tensor) -> torch.Ten
             else:
                 logits = output.float()
         if logits is None:
-            logits = torch.empty((batch, seq, vocab), dtype=torch.float32)
+            logits = torch.empty((batch, seq, width), dtype=torch.float32)
         dist.broadcast(logits, src=pp_ranks[-1], group=pp_group)
-    return logits[..., : chunks[0].hf_config.vocab_size].contiguous()
+    return logits if value_model else logits[..., : chunks[0].hf_config.vocab_size].contiguous()

@@ -13,8 +13,10 @@ import sys
 import threading
 from collections.abc import Callable
 from types import FrameType, ModuleType
+from typing import TYPE_CHECKING, Any
 
-from megastart.engines.base import Compatibility, EngineAdapter, IncompatibleHost
+if TYPE_CHECKING:
+    from megastart.engines.base import Compatibility, EngineAdapter, IncompatibleHost
 
 __all__ = [
     "Compatibility",
@@ -32,6 +34,15 @@ TRIGGER_MODULE = "megatron.core"
 _lock = threading.Lock()
 _adapters: dict[str, EngineAdapter] = {}
 _watching = False
+
+
+def __getattr__(name: str) -> Any:
+    # the base imports the manager (pluggy): not on activation's path
+    if name in ("Compatibility", "EngineAdapter", "IncompatibleHost"):
+        from megastart.engines import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module 'megastart.engines' has no attribute {name!r}")
 
 
 def activate() -> None:

@@ -4,7 +4,12 @@ Where each hook runs (AReaL 1.0.4):
 
 - ``on_model_load`` replaces ``MegatronEngine._load_model_from_hf`` (called by
   ``initialize`` on every start, restarts included); ``None`` runs AReaL's own
-  loader.
+  loader. A critic (``TrainEngineConfig.is_critic``: AReaL replaced its
+  ``output_layer`` with a one-output ``ValueHead``) is a value model
+  (``EngineContext.value_model``); after a plugin loaded it, the adapter does
+  what AReaL's loader does last for a critic: where the checkpoint directory has
+  AReaL's own ``value_head.pt`` (written by ``save_critic_value_head``), the last
+  pipeline stage loads the head from it.
 - ``post_recover_load`` right after ``MegatronEngine.load`` restored a recover
   checkpoint (``RecoverHandler._load_checkpoint``: DCP format, a
   ``recover_checkpoint`` directory), before ``update_weights``. In AReaL builds
@@ -28,15 +33,21 @@ import logging
 import os
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, ClassVar
 
 import wrapt
 
-from megastart.engines.base import EngineAdapter, unwrap
+from megastart.engines.base import EngineAdapter, argument, before_first_step, unwrap
+from megastart.manager import call_hook
+from megastart.records import EngineContext
 
 log = logging.getLogger("megastart")
+
+Wrapped = Callable[..., Any]
+"""The host method a wrapt wrapper receives (bound: ``self`` is ``instance``)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -58,10 +69,17 @@ class HookFailedBefore(RuntimeError):
 
 
 class ArealAdapter(EngineAdapter):
-    host = "areal"
-    module = "areal.engine.megatron_engine"
-    requirement = "areal>=1.0.4,<1.1"
-    wraps = {
+    """Attaches megastart's hooks to AReaL's ``MegatronEngine`` (see the module docstring).
+
+    One instance per process (the adapter registry holds it); the state it keeps is
+    per engine (deferred HF loads, restarted engines) and per process (the first
+    hook failure, which every later hook re-raises).
+    """
+
+    host: ClassVar[str] = "areal"
+    module: ClassVar[str] = "areal.engine.megatron_engine"
+    requirement: ClassVar[str] = "areal>=1.0.4,<1.1"
+    wraps: ClassVar[dict[str, tuple[str, ...]]] = {
         "MegatronEngine._load_model_from_hf": ("self", "path"),
         "MegatronEngine.load": ("self", "meta"),
         "MegatronEngine.train_batch": ("self", "input_"),
@@ -71,51 +89,55 @@ class ArealAdapter(EngineAdapter):
         "MegatronEngine.update_weights": ("self", "meta"),
         "MegatronEngine.offload": ("self",),
     }
-    megastart_settings = ArealSettings
+    megastart_settings: ClassVar[type[ArealSettings]] = ArealSettings
 
     def __init__(self) -> None:
         super().__init__()
         self._failure: tuple[str, BaseException] | None = None
-        self._first_step_done = False
         self._restarted: weakref.WeakSet[Any] = weakref.WeakSet()
         self._deferred: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+        self._wrappers: dict[str, Any] = {}
 
     def _attach(self, module: ModuleType) -> None:
-        wrapt.wrap_function_wrapper(module, "MegatronEngine._load_model_from_hf", self._load_hf)
-        wrapt.wrap_function_wrapper(module, "MegatronEngine.load", self._load)
-        wrapt.wrap_function_wrapper(module, "MegatronEngine.train_batch", self._step)
-        wrapt.wrap_function_wrapper(module, "MegatronEngine.forward_batch", self._step)
-        wrapt.wrap_function_wrapper(module, "MegatronEngine.eval_batch", self._step)
-        wrapt.wrap_function_wrapper(module, "MegatronEngine.save", self._uses_weights)
-        wrapt.wrap_function_wrapper(module, "MegatronEngine.update_weights", self._uses_weights)
-        wrapt.wrap_function_wrapper(module, "MegatronEngine.offload", self._uses_weights)
+        engine = module.MegatronEngine
+        around: dict[str, Callable[[Wrapped, Any, Any, Any], Any]] = {
+            "_load_model_from_hf": self._load_hf,
+            "load": self._load,
+            "train_batch": self._step,
+            "forward_batch": self._step,
+            "eval_batch": self._step,
+            "save": self._uses_weights,
+            "update_weights": self._uses_weights,
+            "offload": self._uses_weights,
+        }
+        self._wrappers = {
+            name: wrapt.wrap_function_wrapper(engine, name, wrapper)
+            for name, wrapper in around.items()
+        }
 
     def _detach(self, module: ModuleType) -> None:
-        unwrap(module.MegatronEngine, "_load_model_from_hf")
-        unwrap(module.MegatronEngine, "load")
-        unwrap(module.MegatronEngine, "train_batch")
-        unwrap(module.MegatronEngine, "forward_batch")
-        unwrap(module.MegatronEngine, "eval_batch")
-        unwrap(module.MegatronEngine, "save")
-        unwrap(module.MegatronEngine, "update_weights")
-        unwrap(module.MegatronEngine, "offload")
+        engine = module.MegatronEngine
+        for name, wrapper in self._wrappers.items():
+            unwrap(engine, name, wrapper)
 
     # -- wrappers: (wrapped, instance, args, kwargs) -------------------------
 
-    def _load_hf(self, wrapped, instance, args, kwargs):  # type: ignore[no-untyped-def]
-        path = _argument(args, kwargs, 0, "path")
+    def _load_hf(self, wrapped: Wrapped, instance: Any, args: Any, kwargs: Any) -> Any:
+        path = argument(wrapped, args, kwargs, 0)
         self._raise_if_failed("on_model_load")
-        if not instance.initialized and _settings().skip_hf_load_on_recover:
+        if not instance.initialized and self.settings().skip_hf_load_on_recover:
             self._deferred[instance] = path
             log.info("megastart: deferring the HF load of %s (skip_hf_load_on_recover)", path)
             return None
         report = self._call_hook("on_model_load", engine=self.context(instance), checkpoint=path)
         if report is None:
             return wrapped(*args, **kwargs)
+        if instance.config.is_critic:
+            load_saved_value_head(instance, path)
         return None
 
-    def _load(self, wrapped, instance, args, kwargs):  # type: ignore[no-untyped-def]
-        meta = _argument(args, kwargs, 0, "meta")
+    def _load(self, wrapped: Wrapped, instance: Any, args: Any, kwargs: Any) -> Any:
+        meta = argument(wrapped, args, kwargs, 0)
         recover = is_recover_load(meta)
         if recover:
             self._raise_if_failed("post_recover_load")
@@ -136,42 +158,35 @@ class ArealAdapter(EngineAdapter):
             self._call_hook("post_recover_load", engine=context, checkpoint=meta.path)
         return result
 
-    def _step(self, wrapped, instance, args, kwargs):  # type: ignore[no-untyped-def]
-        first = not self._first_step_done
-        if first:
-            self._raise_if_failed("pre_first_step")
+    def _step(self, wrapped: Wrapped, instance: Any, args: Any, kwargs: Any) -> Any:
+        self._raise_if_failed("pre_first_step")
         self._resolve_deferred(instance)
-        if first:
-            context = self.context(instance, is_restart=instance in self._restarted)
-            self._call_hook("pre_first_step", engine=context)
-            self._first_step_done = True
+        before_first_step(
+            lambda: self._call_hook(
+                "pre_first_step",
+                engine=self.context(instance, is_restart=instance in self._restarted),
+            )
+        )
         return wrapped(*args, **kwargs)
 
-    def _uses_weights(self, wrapped, instance, args, kwargs):  # type: ignore[no-untyped-def]
+    def _uses_weights(self, wrapped: Wrapped, instance: Any, args: Any, kwargs: Any) -> Any:
         self._resolve_deferred(instance)
         return wrapped(*args, **kwargs)
 
     # -- helpers --------------------------------------------------------------
 
-    def context(self, engine: Any, *, is_restart: bool = False) -> Any:
+    def context(self, engine: Any, *, is_restart: bool = False) -> EngineContext:
         """The ``EngineContext`` of one AReaL ``MegatronEngine``."""
-        from importlib import metadata
-
         from megatron.core import parallel_state
 
-        from megastart.manager import get_settings
-        from megastart.records import EngineContext
-
-        return EngineContext(
-            host=self.host,
-            host_version=metadata.version("areal"),
+        return self.engine_context(
             model_chunks=[unwrap_chunk(chunk) for chunk in engine.model],
             parallel_state=parallel_state,
             device=engine.device if engine.device is not None else "cpu",
             dtype=engine.dtype,
             hf_config=getattr(engine, "hf_config", None),
             is_restart=is_restart,
-            settings=get_settings(),
+            value_model=bool(engine.config.is_critic),
             extra={
                 "areal_engine": engine,
                 "ddp_config": getattr(engine.model[0], "ddp_config", None),
@@ -179,8 +194,6 @@ class ArealAdapter(EngineAdapter):
         )
 
     def _call_hook(self, name: str, **kwargs: Any) -> Any:
-        from megastart.manager import call_hook
-
         self._raise_if_failed(name)
         try:
             return call_hook(name, **kwargs)
@@ -229,6 +242,34 @@ def is_recover_load(meta: Any) -> bool:
     return meta.weight_format == "dcp" and os.path.basename(path) == "recover_checkpoint"
 
 
+VALUE_HEAD_FILE = "value_head.pt"
+"""Where AReaL 1.0.4 keeps a critic's value head next to its HF weights
+(``areal.models.mcore.hf_save.save_critic_value_head``)."""
+
+
+def load_saved_value_head(engine: Any, path: str) -> None:
+    """Load the critic's value head from AReaL's ``value_head.pt`` in ``path``, if there is one.
+
+    The same as the end of AReaL's ``load_weights_from_hf_with_mbridge_fast`` for a
+    critic: on the last pipeline stage, ``torch.load(weights_only=True)`` of the head's
+    state dict (a few KB) into each chunk's ``output_layer``; no collective. Without
+    the file the head stays as the plugin left it (from a reward head, or AReaL's
+    initialisation).
+    """
+    import torch
+    from megatron.core import parallel_state
+
+    saved = os.path.join(path, VALUE_HEAD_FILE)
+    if not parallel_state.is_pipeline_last_stage() or not os.path.exists(saved):
+        return
+    state = torch.load(saved, weights_only=True)
+    for chunk in engine.model:
+        model = unwrap_chunk(chunk)
+        if hasattr(model, "output_layer"):
+            model.output_layer.load_state_dict(state)
+    log.info("megastart: loaded the critic's value head from %s, as AReaL does", saved)
+
+
 def unwrap_chunk(chunk: Any) -> Any:
     """The Megatron model inside AReaL's DDP / Float16Module wrappers."""
     from megatron.core.distributed import DistributedDataParallel
@@ -237,14 +278,3 @@ def unwrap_chunk(chunk: Any) -> Any:
     while isinstance(chunk, (DistributedDataParallel, Float16Module)):
         chunk = chunk.module
     return chunk
-
-
-def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str) -> Any:
-    return kwargs[name] if name in kwargs else args[index]
-
-
-def _settings() -> ArealSettings:
-    from megastart.manager import get_settings
-
-    section: ArealSettings = get_settings().section(ArealAdapter.host)
-    return section

@@ -1,19 +1,34 @@
-"""The base of every engine adapter: version check, attribute check, attach/detach.
+"""The base of every engine adapter, and the four helpers every adapter uses.
 
 Modelled on OpenTelemetry's ``BaseInstrumentor``: the public ``attach`` and
 ``detach`` are idempotent guards around the adapter's own ``_attach`` and
 ``_detach``, which mirror each other line by line.
+
+What every adapter needs once, and finds only here:
+
+- :func:`unwrap`: the strict pair of ``wrapt.wrap_function_wrapper``;
+- :func:`argument`: a wrapped host method's argument, however it was passed;
+- :meth:`EngineAdapter.settings` and :meth:`EngineAdapter.engine_context`: the
+  one lookup of this process's settings;
+- :func:`before_first_step`: ``pre_first_step`` once per process.
+
+Imports point one way: adapters import this module, this module imports the
+manager; the manager reaches adapters only through their entry points.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import ClassVar
+from typing import Any, ClassVar
+
+from megastart.manager import get_settings
+from megastart.records import EngineContext
 
 log = logging.getLogger("megastart")
 
@@ -118,6 +133,38 @@ class EngineAdapter(ABC):
         self._detach(self._attached_to)
         self._attached_to = None
 
+    def settings(self) -> Any:
+        """This host's settings section (the adapter's ``megastart_settings``), as resolved
+        in this process."""
+        return get_settings().section(self.host)
+
+    def engine_context(
+        self,
+        *,
+        model_chunks: Sequence[Any],
+        parallel_state: ModuleType,
+        device: Any,
+        dtype: Any,
+        hf_config: Any,
+        is_restart: bool,
+        extra: Mapping[str, Any],
+        value_model: bool = False,
+    ) -> EngineContext:
+        """The ``EngineContext`` of one of this host's models, with this process's settings."""
+        return EngineContext(
+            host=self.host,
+            host_version=str(self.compatibility().installed_version),
+            model_chunks=tuple(model_chunks),
+            parallel_state=parallel_state,
+            device=device,
+            dtype=dtype,
+            hf_config=hf_config,
+            is_restart=is_restart,
+            value_model=value_model,
+            settings=get_settings(),
+            extra=extra,
+        )
+
     @abstractmethod
     def _attach(self, module: ModuleType) -> None:
         """Wrap the host's methods (``wrapt.wrap_function_wrapper``)."""
@@ -130,13 +177,55 @@ class EngineAdapter(ABC):
 _MISSING = object()
 
 
-def unwrap(owner: object, attribute: str) -> None:
-    """Undo ``wrapt.wrap_function_wrapper(owner, attribute, ...)``.
+def unwrap(owner: type, name: str, wrapper: Any) -> None:
+    """Put back the function ``wrapper`` (what ``wrapt.wrap_function_wrapper`` returned)
+    replaced on ``owner``; refuse if someone replaced it since.
 
-    The pair of OpenTelemetry's ``unwrap``; works with wrapt 1.x and 2.x alike.
+    Already restored is fine, so ``detach`` can be retried after such a refusal.
     """
-    current = (
-        vars(owner).get(attribute) if isinstance(owner, type) else getattr(owner, attribute, None)
-    )
-    if current is not None and hasattr(current, "__wrapped__"):
-        setattr(owner, attribute, current.__wrapped__)
+    original = wrapper.__wrapped__
+    current = vars(owner).get(name)
+    if current is original:
+        return
+    if current is not wrapper:
+        raise RuntimeError(
+            f"megastart: cannot restore {owner.__qualname__}.{name}: it was replaced after "
+            "megastart wrapped it; detach the later wrapper first"
+        )
+    setattr(owner, name, original)
+
+
+def argument(function: Callable[..., Any], args: Any, kwargs: Any, position: int) -> Any:
+    """The value ``function`` receives for its parameter at ``position``: passed by
+    position, by name, or its default (``None`` if it has none).
+
+    ``function`` is the ``wrapped`` a wrapt wrapper receives: for a method, already
+    bound, so ``self`` is not counted.
+    """
+    if len(args) > position:
+        return args[position]
+    parameter = list(inspect.signature(function).parameters.values())[position]
+    if parameter.name in kwargs:
+        return kwargs[parameter.name]
+    return None if parameter.default is inspect.Parameter.empty else parameter.default
+
+
+_first_step_lock = threading.Lock()
+_first_step_done = False
+
+
+def before_first_step(call: Callable[[], object]) -> None:
+    """Run ``call`` (the adapter's ``pre_first_step``) unless a first step ran in this
+    process already.
+
+    Once per process, not per adapter: verl 0.7 trains an actor on the engine and a
+    critic in the legacy workers in one process, and their communicators are the
+    same. It counts as done only when ``call`` returns: a step retried after the
+    hook raised reaches ``call`` again, where an adapter that must refuse does so.
+    """
+    global _first_step_done
+    with _first_step_lock:
+        if _first_step_done:
+            return
+        call()
+        _first_step_done = True

@@ -27,18 +27,18 @@ surrounding verl code (DDP wrapping, PEFT, routing replay, printing) runs
 unchanged. Runs with ``use_dist_checkpointing`` load a Megatron checkpoint, not
 HF weights, and are left alone.
 
-``EngineContext.extra`` carries, for plugins that need them:
+``EngineContext.extra`` carries ``"verl_engine"``: the ``MegatronEngine`` itself.
 
-- ``"verl_engine"``: the ``MegatronEngine`` itself;
-- ``"value_model"``: True for a critic, whose ``output_layer`` is a value head.
-
-A critic's model is loaded by verl itself: its value head is not in the HF
-checkpoint, and ``on_model_load`` promises every parameter filled, so the hook
-is not called for it (one line on rank 0 says so). Which engine holds a value
-model is verl's own decision, ``engine.is_value_model``, which every verl from
-0.7 to 0.9 sets before it loads (0.7 from the architecture's name, later
-versions from ``model_type``). ``post_recover_load`` and
-``pre_first_step`` run for critics as for actors.
+A critic (``MegatronEngineWithValueHead``) is loaded through ``on_model_load``
+too, with ``EngineContext.value_model`` set: verl has built its value head
+(``LinearForLastLayer``, one output, embeddings untied), and a plugin loads the
+backbone and either reads the head from the checkpoint's reward head or leaves
+it as verl initialised it (verl's own loaders keep it too, unless the checkpoint
+holds a one-row ``lm_head.weight``). Which engine holds a value model is verl's
+own decision, ``engine.is_value_model``, which every verl from 0.7 to 0.9 sets
+before it loads (0.7 from the architecture's name, later versions from
+``model_type``). ``post_recover_load`` and ``pre_first_step`` run for critics as
+for actors.
 """
 
 from __future__ import annotations
@@ -50,16 +50,13 @@ from typing import Any, ClassVar
 
 import wrapt
 
-from megastart.engines.base import EngineAdapter
+from megastart.engines.base import EngineAdapter, argument, before_first_step, unwrap
 from megastart.engines.verl_common import (
     BRIDGE_LOADERS,
-    argument,
-    first_step_of_process,
     load_through_hook,
     restore_log_level,
     shadowed,
     show_summaries,
-    unwrap_exactly,
     verl_context,
 )
 from megastart.manager import call_hook
@@ -93,9 +90,9 @@ class VerlAdapter(EngineAdapter):
 
     def _detach(self, module: ModuleType) -> None:
         engine = module.MegatronEngine
-        unwrap_exactly(engine, "_build_megatron_module", self._build)
-        unwrap_exactly(engine, "load_checkpoint", self._load)
-        unwrap_exactly(engine, "forward_backward_batch", self._step)
+        unwrap(engine, "_build_megatron_module", self._build)
+        unwrap(engine, "load_checkpoint", self._load)
+        unwrap(engine, "forward_backward_batch", self._step)
         restore_log_level()
 
     # -- wrappers ------------------------------------------------------------
@@ -115,7 +112,6 @@ class VerlAdapter(EngineAdapter):
                 wrapped,
                 args,
                 kwargs,
-                value_model=bool(engine.is_value_model),  # set by verl before it loads (0.7-0.9)
                 context=partial(self._context, engine),
                 model_at=0,
                 checkpoint=argument(wrapped, args, kwargs, 1) or engine.model_config.local_path,
@@ -138,8 +134,7 @@ class VerlAdapter(EngineAdapter):
     def _before_first_step(
         self, wrapped: Callable[..., Any], engine: Any, args: Any, kwargs: Any
     ) -> Any:
-        if first_step_of_process():
-            call_hook("pre_first_step", engine=self._context(engine))
+        before_first_step(lambda: call_hook("pre_first_step", engine=self._context(engine)))
         return wrapped(*args, **kwargs)
 
     # -- the host-agnostic view ----------------------------------------------
@@ -153,5 +148,6 @@ class VerlAdapter(EngineAdapter):
             dtype=engine.param_dtype,
             hf_config=engine.model_config.hf_config,
             is_restart=is_restart,
-            extra={"verl_engine": engine, "value_model": bool(engine.is_value_model)},
+            value_model=bool(engine.is_value_model),  # set by verl before it loads (0.7-0.9)
+            extra={"verl_engine": engine},
         )

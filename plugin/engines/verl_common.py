@@ -4,14 +4,13 @@ legacy-worker adapter (verl 0.7).
 Both can be attached in one process: verl 0.7 with
 ``trainer.use_legacy_worker_impl=disable`` trains the actor on the engine and a
 Megatron critic in the legacy ``CriticWorker``, colocated in one Ray actor. So
-what is per process is kept here, once for both: ``pre_first_step`` runs before
-the first step of either, and the log level they raise is put back when the last
-of them detaches.
+the log level they raise is kept here, once for both, and put back when the last
+of them detaches (``pre_first_step``, once per process, is
+:func:`megastart.engines.base.before_first_step`).
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -20,8 +19,8 @@ from typing import Any
 
 import wrapt
 
-from megastart.engines.base import EngineAdapter
-from megastart.manager import call_hook, get_settings
+from megastart.engines.base import EngineAdapter, argument
+from megastart.manager import call_hook
 from megastart.records import EngineContext
 
 log = logging.getLogger("megastart")
@@ -30,23 +29,9 @@ BRIDGE_LOADERS = {True: "load_weights", False: "load_hf_weights"}
 """``vanilla_bridge`` -> the bridge method verl loads HF weights with (mbridge's
 ``load_weights``, Megatron-Bridge's ``load_hf_weights``)."""
 
-VALUE_MODEL_NOT_HOOKED = (
-    "megastart: on_model_load is not called for verl's value model (critic): its value head "
-    "is not in the HF checkpoint, and the hook must fill every parameter; verl's own loader runs"
-)
-
 _lock = threading.Lock()
-_first_step_seen = False
 _log_level_holders = 0
 _saved_log_level = logging.NOTSET
-
-
-def first_step_of_process() -> bool:
-    """True exactly once per process: at the first training step of any verl adapter."""
-    global _first_step_seen
-    with _lock:
-        first, _first_step_seen = not _first_step_seen, True
-    return first
 
 
 def show_summaries() -> None:
@@ -78,22 +63,21 @@ def verl_context(
     dtype: Any,
     hf_config: Any,
     is_restart: bool = False,
+    value_model: bool,
     extra: dict[str, Any],
 ) -> EngineContext:
     """The host-agnostic view of one verl model (a list of DDP/Float16 chunks)."""
     from megatron.core import parallel_state
     from verl.utils.megatron_utils import unwrap_model
 
-    return EngineContext(
-        host=adapter.host,
-        host_version=str(adapter.compatibility().installed_version),
-        model_chunks=tuple(unwrap_model(list(model))),
+    return adapter.engine_context(
+        model_chunks=unwrap_model(list(model)),
         parallel_state=parallel_state,
         device=training_device(),
         dtype=dtype,
         hf_config=hf_config,
         is_restart=is_restart,
-        settings=get_settings(),
+        value_model=value_model,
         extra=extra,
     )
 
@@ -103,31 +87,20 @@ def load_through_hook(
     args: Any,
     kwargs: Any,
     *,
-    value_model: bool,
     context: Callable[[Any], EngineContext],
     model_at: int,
     checkpoint: Any,
 ) -> Any:
     """Run one of verl's HF loaders behind ``on_model_load``: the loader itself only if no
-    plugin handled the load, or for a value model (its head is not in the checkpoint).
+    plugin handled the load (a critic's too: the context says it is a value model).
 
     :param context: the engine context for the model chunks the loader was given.
     :param model_at: the loader's parameter that holds those chunks.
     """
-    if value_model:
-        log_rank0(VALUE_MODEL_NOT_HOOKED)
-        return wrapped(*args, **kwargs)
     model = argument(wrapped, args, kwargs, model_at)
     if call_hook("on_model_load", engine=context(model), checkpoint=str(checkpoint)) is None:
         return wrapped(*args, **kwargs)
     return None
-
-
-def log_rank0(message: str) -> None:
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        log.info(message)
 
 
 def training_device() -> Any:
@@ -137,14 +110,6 @@ def training_device() -> Any:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def argument(function: Callable[..., Any], args: Any, kwargs: Any, position: int) -> Any:
-    """The value of ``function``'s parameter at ``position``, passed by position or by name."""
-    if len(args) > position:
-        return args[position]
-    name = list(inspect.signature(function).parameters)[position]
-    return kwargs.get(name)
 
 
 @contextmanager
@@ -160,19 +125,3 @@ def shadowed(obj: Any, name: str, wrapper: Callable[..., Any]) -> Iterator[None]
             setattr(obj, name, original)
         else:
             delattr(obj, name)
-
-
-def unwrap_exactly(owner: type, name: str, wrapper: Any) -> None:
-    """Put back the function ``wrapper`` replaced; refuse if someone replaced it since.
-
-    Already restored is fine, so ``detach`` can be retried after such a refusal.
-    """
-    current = vars(owner).get(name)
-    if current is wrapper.__wrapped__:
-        return
-    if current is not wrapper:
-        raise RuntimeError(
-            f"megastart: cannot restore {owner.__qualname__}.{name}: it was replaced after "
-            "megastart wrapped it; detach the later wrapper first"
-        )
-    setattr(owner, name, wrapper.__wrapped__)

@@ -98,7 +98,7 @@ def _with_autoload(config: DictConfig) -> list[str]:
     return modules if AUTOLOAD in modules else [*modules, AUTOLOAD]
 
 
-def _without_nulls(section: Mapping[str, Any]) -> dict[str, Any]:
+def _without_nulls(section: Mapping[Any, Any]) -> dict[str, Any]:
     """The section without ``null`` values, which mean "the plugin's default"."""
     out: dict[str, Any] = {}
     for key, value in section.items():

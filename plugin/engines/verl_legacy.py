@@ -6,7 +6,8 @@ the engine: :mod:`megastart.engines.verl`), and always for a Megatron critic.
 verl 0.8 removed them.
 
 - ``on_model_load``: the HF load in ``ActorRolloutRefWorker._build_model_optimizer``
-  (actor and reference): verl's legacy loader ``load_megatron_gptmodel_weights``
+  (actor and reference) and ``CriticWorker._build_critic_model_optimizer``
+  (critic, a value model): verl's legacy loader ``load_megatron_gptmodel_weights``
   (``use_mbridge=false``: rank 0 reads the whole model with ``from_pretrained``
   and broadcasts it), or the bridge's loader (mbridge's ``load_weights``, verl
   0.7's default, or Megatron-Bridge's ``load_hf_weights``). ``None`` falls
@@ -32,9 +33,12 @@ The wrapped worker methods carry verl's ``@register`` attributes through
 (``wrapt`` proxies attribute access to the original), so verl's worker groups
 bind and dispatch them as before.
 
-``EngineContext.extra`` carries ``"verl_worker"`` (the worker) and
-``"value_model"`` (True for a critic). A critic's model is loaded by verl itself,
-as with the engine adapter: its value head is not in the HF checkpoint.
+``EngineContext.extra`` carries ``"verl_worker"`` (the worker).
+``EngineContext.value_model`` is set for the ``CriticWorker``, whose model verl
+builds with a one-output value head (``LinearForLastLayer``) and untied
+embeddings; verl's own loaders read that head from a reward head of its shape
+(``lm_head.weight``, ``reward_head.weight``, ``score.weight``; mbridge only the
+first), as megastart's ``rank0_loader`` does, and otherwise leave it as built.
 """
 
 from __future__ import annotations
@@ -47,16 +51,13 @@ from typing import Any, ClassVar
 
 import wrapt
 
-from megastart.engines.base import EngineAdapter
+from megastart.engines.base import EngineAdapter, argument, before_first_step, unwrap
 from megastart.engines.verl_common import (
     BRIDGE_LOADERS,
-    argument,
-    first_step_of_process,
     load_through_hook,
     restore_log_level,
     shadowed,
     show_summaries,
-    unwrap_exactly,
     verl_context,
 )
 from megastart.manager import call_hook
@@ -113,7 +114,7 @@ class VerlLegacyAdapter(EngineAdapter):
     def _detach(self, module: ModuleType) -> None:
         for name, wrapper in self._wrappers.items():
             owner, method = name.split(".")
-            unwrap_exactly(getattr(module, owner), method, wrapper)
+            unwrap(getattr(module, owner), method, wrapper)
         restore_log_level()
 
     # -- wrappers ------------------------------------------------------------
@@ -151,7 +152,6 @@ class VerlLegacyAdapter(EngineAdapter):
                 wrapped,
                 args,
                 kwargs,
-                value_model=self._is_critic(worker),
                 context=partial(self._context, worker),
                 model_at=model_at,
                 checkpoint=worker.local_path
@@ -177,8 +177,11 @@ class VerlLegacyAdapter(EngineAdapter):
     def _before_first_step(
         self, wrapped: Callable[..., Any], worker: Any, args: Any, kwargs: Any
     ) -> Any:
-        if first_step_of_process():
-            call_hook("pre_first_step", engine=self._context(worker, _trained_model(worker)))
+        before_first_step(
+            lambda: call_hook(
+                "pre_first_step", engine=self._context(worker, _trained_model(worker))
+            )
+        )
         return wrapped(*args, **kwargs)
 
     # -- the host-agnostic view ----------------------------------------------
@@ -190,7 +193,8 @@ class VerlLegacyAdapter(EngineAdapter):
             dtype=worker.dtype,
             hf_config=worker.hf_config,
             is_restart=is_restart,
-            extra={"verl_worker": worker, "value_model": self._is_critic(worker)},
+            value_model=self._is_critic(worker),
+            extra={"verl_worker": worker},
         )
 
     def _is_critic(self, worker: Any) -> bool:

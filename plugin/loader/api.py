@@ -36,7 +36,14 @@ from megastart.distributed import (
 )
 from megastart.loader.checkpoint import CheckpointMeta, read_metadata
 from megastart.loader.model import UnsupportedArchitecture, local_needs, mapping_table
-from megastart.loader.plan import Demand, PlanError, build_plan, receiver_sets, unused_tensors
+from megastart.loader.plan import (
+    Demand,
+    PlanError,
+    build_plan,
+    left_to_host,
+    receiver_sets,
+    unused_tensors,
+)
 from megastart.loader.settings import Rank0LoaderSettings
 from megastart.loader.stream import Stream
 from megastart.loader.transport import (
@@ -71,6 +78,8 @@ class RankDemands(NamedTuple):
     """The HF tensors each of its parameters takes, and the parameter's dtype."""
     device: str
     """The device type of its parameters (``"cuda"``, ``"cpu"``)."""
+    left_to_host: list[str]
+    """Its parameters the load leaves as the host initialised them (canonical names)."""
 
 
 class Streamed(NamedTuple):
@@ -85,7 +94,9 @@ def load_for_engine(engine: EngineContext, checkpoint: str) -> LoadReport | None
     # Resolved inside the load otherwise, so that an error doing it reaches every rank.
     settings = engine.settings.section(PLUGIN) if engine.settings is not None else None
     try:
-        return load_hf_checkpoint(engine.model_chunks, checkpoint, settings=settings)
+        return load_hf_checkpoint(
+            engine.model_chunks, checkpoint, settings=settings, value_model=engine.value_model
+        )
     except (
         UnsupportedArchitecture
     ) as e:  # decided on every rank from the same metadata, before any transfer
@@ -98,7 +109,11 @@ def load_for_engine(engine: EngineContext, checkpoint: str) -> LoadReport | None
 
 
 def load_hf_checkpoint(
-    model_chunks: Sequence[Any], checkpoint_dir: str, *, settings: Rank0LoaderSettings | None = None
+    model_chunks: Sequence[Any],
+    checkpoint_dir: str,
+    *,
+    settings: Rank0LoaderSettings | None = None,
+    value_model: bool = False,
 ) -> LoadReport:
     """Load an HF checkpoint into this rank's Megatron-core model chunks, reading it once.
 
@@ -109,6 +124,10 @@ def load_hf_checkpoint(
         stage (unwrapped from DDP / Float16Module).
     :param checkpoint_dir: the directory with ``config.json`` and ``*.safetensors``.
     :param settings: the ``rank0_loader`` settings; by default the resolved ones.
+    :param value_model: the chunks are a value model (critic, reward model): the last
+        stage's ``output_layer`` is a one-output head. It is read from the checkpoint's
+        reward head of its shape (``score.weight``, ...) if there is one, and otherwise
+        left as the host initialised it and named in the report's ``left_to_host``.
     :returns: what was read and sent, and how long it took (same figures on every rank).
     :raises megastart.distributed.CollectiveError: on every rank, when any rank
         failed, stalled, or did not call it within ``timeout_s``; the message
@@ -130,7 +149,15 @@ def load_hf_checkpoint(
             # The board bounds every wait by timeout_s and names it; gloo's own
             # timeout, unnamed, must not come first.
             with OwnGroups(timeout_s=settings.timeout_s + 2 * PEER_GRACE_S) as own:
-                return _load(list(model_chunks), str(checkpoint_dir), settings, own, board, start)
+                return _load(
+                    list(model_chunks),
+                    str(checkpoint_dir),
+                    settings,
+                    own,
+                    board,
+                    start,
+                    value_model,
+                )
 
 
 def reset_state() -> None:
@@ -145,6 +172,7 @@ def _load(
     own: OwnGroups,
     board: Board,
     start: float,
+    value_model: bool,
 ) -> LoadReport:
     import torch.distributed as dist
 
@@ -169,16 +197,17 @@ def _load(
     table = mapping_table(meta)
 
     with phase(f"{PLUGIN}: planning") as planned:
-        params, tensors, shard, needs = local_needs(chunks, meta, table)
+        params, tensors, shard, needs = local_needs(chunks, meta, table, value_model=value_model)
         device = tensors[next(iter(tensors))].device if tensors else _cpu()
         demands = [(n.hf, n.param.dtype) for n in needs]
-        planned.share(RankDemands(node_key(), demands, device.type))
+        left = [p.name for p in left_to_host(params, needs)]
+        planned.share(RankDemands(node_key(), demands, device.type, left))
     by_rank: list[RankDemands] = planned.shared
     groups = reader_groups(settings.reader, [r.node for r in by_rank])
     group = next(g for g in groups if rank in g)
 
     with phase(f"{PLUGIN}: planning"):
-        unused = unused_tensors([r.demands for r in by_rank], meta, table)
+        unused = unused_tensors([r.demands for r in by_rank], meta, table, value_model=value_model)
         if unused and settings.strict:
             raise PlanError(_unused_message(unused, checkpoint, strict=True))
         plan = build_plan(
@@ -195,6 +224,15 @@ def _load(
         backend = _backend(settings.transport, {r.device for r in by_rank})
     if unused and rank == 0:
         log.warning("megastart: %s", _unused_message(unused, checkpoint, strict=False))
+    left_by_all = tuple(sorted({name for r in by_rank for name in r.left_to_host}))
+    if left_by_all and rank == 0:
+        log.info(
+            "megastart: value head %s keeps the host's initialisation: %r has no tensor of "
+            "its shape for it (a weight is looked for in %s; a bias never is)",
+            list(left_by_all),
+            checkpoint,
+            ", ".join(table.value_head_sources),
+        )
 
     # Not the control group, even for one gloo reader group: after a failure in the
     # stream, broadcasts may be left pending there, and the verdict must not meet them.
@@ -210,7 +248,7 @@ def _load(
         read, sent = (
             stream.run_reader(meta, settings) if rank == group[0] else stream.run_receiver()
         )
-        coverage.check(params)
+        coverage.check([n.param for n in needs])  # every parameter but those left to the host
         loaded.share(Streamed(read, sent))
     moved: list[Streamed] = loaded.shared
     return LoadReport(
@@ -221,6 +259,7 @@ def _load(
         seconds=time.perf_counter() - start,
         reader_ranks=tuple(g[0] for g in groups),
         tensors=len({name for r in by_rank for names, _ in r.demands for name in names}),
+        left_to_host=left_by_all,
     )
 
 

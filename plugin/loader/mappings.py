@@ -15,6 +15,12 @@ Each Megatron pattern lists every spelling a layer spec uses (local spec
 More tables are registered through the entry-point group ``megastart.mappings``
 (each entry point's value is a :class:`MappingTable`); a registered table
 replaces a built-in one for the same architecture.
+
+A value model (critic, reward model) is the same decoder with a one-output head
+in place of the LM head: Megatron's ``output_layer``, filled from the
+checkpoint's reward head (:data:`VALUE_HEAD_SOURCES`) or left to the host. A
+reward model's checkpoint (``*ForSequenceClassification``,
+``*ForTokenClassification``) is served by its ``*ForCausalLM`` table.
 """
 
 from __future__ import annotations
@@ -28,6 +34,22 @@ from typing import Any
 log = logging.getLogger("megastart")
 
 MAPPINGS_GROUP = "megastart.mappings"
+
+VALUE_HEAD = "output_layer."
+"""Canonical name prefix of a value model's head: Megatron's ``output_layer`` with one output."""
+
+VALUE_HEAD_SOURCES = ("lm_head.weight", "reward_head.weight", "score.weight")
+"""HF tensors a value head's weight is read from: the first of the head's own shape
+(``[1, hidden]``) wins, in the order verl's loader tries them
+(``verl.models.mcore.loader.load_state_dict_to_megatron_gptmodel``). A one-row
+``lm_head.weight`` is a value head saved under the LM head's name (verl's legacy
+loader and mbridge take it too); a vocabulary ``lm_head.weight`` never has that shape, so it never fills a value head."""
+
+VALUE_MODEL_UNCHECKED = ("tie_word_embeddings",)
+"""HF config keys a value model need not agree on: its head is never tied to the embedding."""
+
+_HEAD_ARCHITECTURES = ("ForSequenceClassification", "ForTokenClassification")
+"""Architecture suffixes of reward-model checkpoints: the decoder of ``*ForCausalLM`` and a ``score`` head."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +87,8 @@ class MappingTable:
     model_types: tuple[str, ...] = ()
     """``config.json`` ``model_type`` values whose causal LM is this table's architecture:
     used for configs without ``architectures`` when ``transformers`` is not installed."""
+    value_head_sources: tuple[str, ...] = VALUE_HEAD_SOURCES
+    """HF tensors a value model's head may come from, in order of preference."""
 
     _compiled: list[tuple[re.Pattern[str], Rule]] = field(
         default_factory=list, compare=False, repr=False
@@ -193,8 +217,17 @@ BUILTIN_TABLES = (LLAMA, MISTRAL, QWEN2, QWEN3)
 
 
 def mapping_for(architecture: str) -> MappingTable | None:
-    """The table for ``architecture`` (registered ones first), or ``None``."""
-    return _registry().get(architecture)
+    """The table for ``architecture`` (registered ones first), or ``None``.
+
+    A reward model's architecture without a table of its own gets its causal LM's table.
+    """
+    tables = _registry()
+    if architecture in tables:
+        return tables[architecture]
+    for suffix in _HEAD_ARCHITECTURES:
+        if architecture.endswith(suffix):
+            return tables.get(architecture.removesuffix(suffix) + "ForCausalLM")
+    return None
 
 
 def architecture_for_model_type(model_type: str) -> str | None:

@@ -42,13 +42,18 @@ def mapping_table(meta: CheckpointMeta) -> MappingTable:
 
 
 def local_needs(
-    chunks: list[Any], meta: CheckpointMeta, table: MappingTable | None = None
+    chunks: list[Any],
+    meta: CheckpointMeta,
+    table: MappingTable | None = None,
+    *,
+    value_model: bool = False,
 ) -> tuple[list[ParamInfo], dict[tuple[int, str], torch.Tensor], Shard, list[Need]]:
     """What this rank needs from the checkpoint, checked against it: no collective.
 
     Returns this rank's parameters (canonical names), the tensors by ``(chunk,
     local name)``, its tensor-parallel shard, and one :class:`Need` per
-    parameter: the HF tensors, the transform and the slice that fill it. Raises
+    parameter it fills: the HF tensors, the transform and the slice (a value
+    model's head may have none: :func:`~megastart.loader.plan.left_to_host`). Raises
     :class:`PlanError` (this rank only) when the checkpoint's config or shapes do
     not fit the model built. The benchmark's baselines use it too, so every
     strategy writes exactly what the loader writes.
@@ -57,9 +62,10 @@ def local_needs(
     params, tensors = _local_params(chunks)
     megatron = _megatron_config(chunks[0])
     check_expert_parallel(meta.config, megatron, checkpoint=meta.directory)
-    check_config(table, meta.config, megatron, checkpoint=meta.directory)
+    check_config(table, meta.config, megatron, checkpoint=meta.directory, value_model=value_model)
     shard = _shard(megatron)
-    return params, tensors, shard, resolve_needs(params, table, meta, shard)
+    needs = resolve_needs(params, table, meta, shard, value_model=value_model)
+    return params, tensors, shard, needs
 
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")

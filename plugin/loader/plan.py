@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megastart.loader.checkpoint import ITEMSIZE, CheckpointMeta, TensorEntry
-from megastart.loader.mappings import MappingTable
+from megastart.loader.mappings import VALUE_HEAD, VALUE_MODEL_UNCHECKED, MappingTable
 from megastart.loader.transforms import TRANSFORMS, Rows, Shard
 
 _ALIGN = 64
@@ -100,13 +100,17 @@ def check_config(
     megatron: Mapping[str, Any],
     *,
     checkpoint: str,
+    value_model: bool = False,
 ) -> None:
     """Raise if ``config.json`` describes a different model than the Megatron one built.
 
     :param megatron: Megatron ``TransformerConfig`` attributes by name.
+    :param value_model: the model is a value model, whose head is never tied to the embedding.
     """
     problems = []
     for hf_key, megatron_key in table.config_checks:
+        if value_model and hf_key in VALUE_MODEL_UNCHECKED:
+            continue
         hf_value, megatron_value = _hf_config_value(hf_config, hf_key), megatron.get(megatron_key)
         if hf_value is not None and megatron_value is not None and hf_value != megatron_value:
             problems.append(
@@ -132,14 +136,37 @@ def _hf_config_value(config: Mapping[str, Any], key: str) -> Any:
 
 
 def resolve_needs(
-    params: Sequence[ParamInfo], table: MappingTable, meta: CheckpointMeta, shard: Shard
+    params: Sequence[ParamInfo],
+    table: MappingTable,
+    meta: CheckpointMeta,
+    shard: Shard,
+    *,
+    value_model: bool = False,
 ) -> list[Need]:
-    """Map each local parameter to its HF tensors and check every shape; raise all problems at once."""
+    """Map each local parameter to its HF tensors and check every shape; raise all problems at once.
+
+    For a value model the head (``output_layer``) is not the table's LM head: its
+    weight comes from the checkpoint's reward head when one has its shape
+    (:func:`value_head_source`); otherwise the head gets no :class:`Need` and keeps
+    the host's initialisation (:func:`left_to_host`).
+    """
     tied = bool(meta.config.get("tie_word_embeddings", False))
     arch = ", ".join(table.architectures)
     problems: list[str] = []
     needs: list[Need] = []
     for param in params:
+        if value_model and param.name.startswith(VALUE_HEAD):
+            if param.shape[:1] != (1,):
+                problems.append(
+                    f"{param.describe()} is not a value head (one output): a value model's "
+                    "output_layer must be replaced by a one-output head before it is loaded, "
+                    "or load it with value_model=False"
+                )
+                continue
+            source = value_head_source(param, table, meta)
+            if source is not None:
+                needs.append(Need(param, (source,), "replicated"))
+            continue
         matched = table.match(param.name)
         if matched is None:
             problems.append(f"{param.describe()} has no rule in the {arch} mapping table")
@@ -148,8 +175,11 @@ def resolve_needs(
         hf = table.hf_names(rule, fields, tied=tied)
         missing = [n for n in hf if n not in meta.tensors]
         if missing:
+            reward = [n for n in table.value_head_sources if n in meta.tensors and n not in hf]
+            hint = f" (it holds a reward head {reward}: load a value model)" if reward else ""
             problems.append(
-                f"tensor(s) {missing} missing from checkpoint {meta.directory!r}, needed by {param.describe()}"
+                f"tensor(s) {missing} missing from checkpoint {meta.directory!r}{hint}, "
+                f"needed by {param.describe()}"
             )
             continue
         named = [(n, meta.tensors[n].shape) for n in hf]
@@ -165,16 +195,43 @@ def resolve_needs(
     return needs
 
 
+def value_head_source(param: ParamInfo, table: MappingTable, meta: CheckpointMeta) -> str | None:
+    """The checkpoint tensor a value head's weight is read from: the first of the table's
+    ``value_head_sources`` with the head's shape, or ``None`` (its bias never has one)."""
+    if param.name != VALUE_HEAD + "weight":
+        return None
+    return next(
+        (
+            name
+            for name in table.value_head_sources
+            if name in meta.tensors and tuple(meta.tensors[name].shape) == param.shape
+        ),
+        None,
+    )
+
+
+def left_to_host(params: Sequence[ParamInfo], needs: Sequence[Need]) -> list[ParamInfo]:
+    """The parameters no need fills: a value head the checkpoint has no source for."""
+    filled = {(need.param.chunk, need.param.local_name) for need in needs}
+    return [p for p in params if (p.chunk, p.local_name) not in filled]
+
+
 Demand = tuple[tuple[str, ...], str]
 """What one need asks the stream for: the HF tensors and the parameter dtype."""
 
 
 def unused_tensors(
-    demands_by_rank: Sequence[Sequence[Demand]], meta: CheckpointMeta, table: MappingTable
+    demands_by_rank: Sequence[Sequence[Demand]],
+    meta: CheckpointMeta,
+    table: MappingTable,
+    *,
+    value_model: bool = False,
 ) -> list[str]:
-    """Checkpoint tensors no rank uses (the table's ``ignored`` ones excepted)."""
+    """Checkpoint tensors no rank uses (the table's ``ignored`` ones excepted, and for a
+    value model the heads it did not take: the LM head of the causal LM it starts from)."""
     used = {name for demands in demands_by_rank for names, _ in demands for name in names}
-    return sorted(n for n in meta.tensors if n not in used and not table.is_ignored(n))
+    expected = set(table.value_head_sources) if value_model else set()
+    return sorted(n for n in meta.tensors if n not in used | expected and not table.is_ignored(n))
 
 
 def build_plan(

@@ -23,11 +23,17 @@ import megastart.autoload  # noqa: F401  (what megastart.areal_worker does first
 HF_LOAD_SECONDS: list[float] = []
 """Wall time of each ``_load_model_from_hf`` call ``engine_on_cpu`` made in this process."""
 
+VALUE_HEADS_BEFORE_LOAD: list[Any] = []
+"""The value head of each critic ``engine_on_cpu`` built, as AReaL initialised it (last stage)."""
+
 EXPERIMENT = SimpleNamespace(experiment_name="megastart-areal", trial_name="t0")
 
 
-def engine_on_cpu(checkpoint: str, *, tp: int, engine_class: type | None = None) -> Any:
-    """A real (attached) ``MegatronEngine`` on this rank, weights loaded from ``checkpoint``."""
+def engine_on_cpu(
+    checkpoint: str, *, tp: int, engine_class: type | None = None, critic: bool = False
+) -> Any:
+    """A real (attached) ``MegatronEngine`` on this rank, weights loaded from ``checkpoint``;
+    a ``critic`` gets AReaL's ``ValueHead`` as ``make_mcore_model(is_critic=True)`` gives it."""
     import torch
     from areal.api.alloc_mode import ParallelStrategy
     from areal.api.cli_args import TrainEngineConfig
@@ -46,6 +52,7 @@ def engine_on_cpu(checkpoint: str, *, tp: int, engine_class: type | None = None)
         trial_name=EXPERIMENT.trial_name,
         path=checkpoint,
         dtype="float32",
+        is_critic=critic,
     )
     engine = (engine_class or module.MegatronEngine)(config)
     engine.create_process_group(
@@ -53,7 +60,15 @@ def engine_on_cpu(checkpoint: str, *, tp: int, engine_class: type | None = None)
     )
     engine.hf_config = AutoConfig.from_pretrained(checkpoint)
     engine.device = torch.device("cpu")
-    engine.model = module._MegatronModelList(build_gpt_chunks(engine.hf_config))
+    chunks = build_gpt_chunks(engine.hf_config)
+    if critic:
+        from areal.models.mcore.registry import _replace_output_layer_with_value_head
+
+        for chunk in chunks:
+            if chunk.post_process:
+                _replace_output_layer_with_value_head(chunk, chunk.config)
+                VALUE_HEADS_BEFORE_LOAD.append(chunk.output_layer.weight.detach().clone())
+    engine.model = module._MegatronModelList(chunks)
     _in_process_write_results()
     engine.checkpointer = MegatronCheckpointManager(
         model=engine.model, optimizer=None, lr_scheduler=None

@@ -94,22 +94,71 @@ def test_post_recover_load_runs_after_verls_resume_load(pool, checkpoint, tmp_pa
         assert recover["first_param_sum"] == out["saved_sum"]
 
 
-@pytest.mark.skipif(
+CRITICS_ON_THE_ENGINE = pytest.mark.skipif(
     Version(metadata.version("verl")) < Version("0.8"),
     reason="verl 0.7 builds Megatron critics only in its legacy CriticWorker",
 )
-def test_a_critic_is_loaded_by_verl_itself(pool, checkpoint):
-    # rank0_loader and a plugin that would handle the load are both enabled
+
+
+@pytest.fixture(scope="module")
+def reward_checkpoint(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("qwen2_reward")
+    verl_cpu.save_tiny_qwen2(path, reward_model=True)
+    return str(path)
+
+
+@CRITICS_ON_THE_ENGINE
+def test_a_critic_loads_through_on_model_load(pool, checkpoint):
     ranks = pool.run(
         verl_cpu.load_on_rank,
         checkpoint,
         value_model=True,
         MEGASTART_VERL_PROBE_MODE="handle",
-        MEGASTART_BLOCKLIST="comm_warmup",
+        **PROBE_ONLY,
     )
     for out in ranks:
-        assert out["calls"] == []
-        params = out["params"]
-        embedding = verl_cpu.hf_shard(checkpoint, "model.embed_tokens.weight", out["tp_rank"])
-        assert torch.equal(params["embedding.word_embeddings.weight"], embedding)
-        assert params["output_layer.weight"].shape == (1, 64)  # the value head
+        verl_cpu.check_probe_handled_load(
+            out, checkpoint, "MegatronEngineWithValueHead", value_model=True
+        )
+        assert out["params"]["output_layer.weight"].shape == (1, 64)  # verl's value head
+
+
+@CRITICS_ON_THE_ENGINE
+def test_a_critic_falls_through_to_verl_when_rank0_loader_is_blocked(pool, checkpoint):
+    ranks = pool.run(
+        verl_cpu.load_on_rank,
+        checkpoint,
+        value_model=True,
+        MEGASTART_VERL_PROBE_MODE="pass",
+        **PROBE_ONLY,
+    )
+    for out in ranks:
+        verl_cpu.check_critic_fell_through_to_verl(out, checkpoint)
+
+
+@CRITICS_ON_THE_ENGINE
+def test_megastarts_rank0_loader_loads_a_critic_as_verls_loader_does(pool, checkpoint):
+    """Every parameter equal to what verl's loader (mbridge) writes, the value head
+    included: both leave it as verl built it (the checkpoint's LM head is not one)."""
+    ranks = pool.run(verl_cpu.loaders_on_rank, checkpoint, verl_cpu.critic_weights)
+    summary = verl_cpu.check_same_weights_one_reader(ranks)
+    assert "left to the host: ['output_layer.weight']" in summary
+    lm_head = verl_cpu.hf_tensor(checkpoint, "lm_head.weight")
+    for out in ranks:
+        head = out["params"]["rank0_loader"]["output_layer.weight"]
+        assert not any(torch.equal(head[0], row) for row in lm_head)
+
+
+@CRITICS_ON_THE_ENGINE
+def test_a_critic_takes_a_reward_checkpoints_score_head(pool, reward_checkpoint):
+    """From a ``Qwen2ForSequenceClassification`` checkpoint the value head is its
+    ``score.weight``, the backbone its decoder. (verl's mbridge loader refuses this
+    checkpoint: "Weights {'lm_head.weight'} not found in safetensors files".)"""
+    ranks = pool.run(
+        verl_cpu.load_on_rank,
+        reward_checkpoint,
+        value_model=True,
+        MEGASTART_BLOCKLIST="comm_warmup,verl_probe",
+    )
+    for out in ranks:
+        verl_cpu.check_critic_from_reward_checkpoint(out, reward_checkpoint)

@@ -100,3 +100,63 @@ def test_an_actor_worker_loads_through_the_hook_then_stops_in_megatrons_optimize
         # the actor's build goes on to its optimizer, which allocates on "cuda"
         assert "get_megatron_optimizer" in out["stop"]["verl_functions"], out["stop"]
         assert out["stop"]["innermost"][0].endswith("torch/cuda/__init__.py"), out["stop"]
+
+
+@pytest.fixture(scope="module")
+def reward_checkpoint(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("qwen2_reward")
+    verl_legacy_cpu.save_tiny_qwen2_with_tokenizer(path, reward_model=True)
+    return str(path)
+
+
+@pytest.mark.parametrize("use_mbridge", LOADERS.values(), ids=LOADERS.keys())
+def test_a_critic_worker_loads_through_on_model_load(pool, checkpoint, use_mbridge):
+    ranks = pool.run(
+        verl_legacy_cpu.critic_on_rank,
+        checkpoint,
+        use_mbridge=use_mbridge,
+        MEGASTART_VERL_PROBE_MODE="handle",
+        **PROBE_ONLY,
+    )
+    for out in ranks:
+        verl_cpu.check_probe_handled_load(out, checkpoint, "CriticWorker", value_model=True)
+        assert out["params"]["output_layer.weight"].shape == (1, 64)  # verl's value head
+        # the critic's build goes on to its optimizer, which allocates on "cuda"
+        assert "get_megatron_optimizer" in out["stop"]["verl_functions"], out["stop"]
+
+
+@pytest.mark.parametrize("use_mbridge", LOADERS.values(), ids=LOADERS.keys())
+def test_a_critic_falls_through_to_verl_when_rank0_loader_is_blocked(pool, checkpoint, use_mbridge):
+    ranks = pool.run(
+        verl_legacy_cpu.critic_on_rank,
+        checkpoint,
+        use_mbridge=use_mbridge,
+        MEGASTART_VERL_PROBE_MODE="pass",
+        **PROBE_ONLY,
+    )
+    for out in ranks:
+        verl_cpu.check_critic_fell_through_to_verl(out, checkpoint)
+
+
+def test_megastarts_rank0_loader_loads_a_critic_as_verls_legacy_loader_does(pool, checkpoint):
+    """Every parameter equal to what ``load_megatron_gptmodel_weights(..., is_value_model=True)``
+    writes; the value head (weight and bias) stays as verl built it in both."""
+    ranks = pool.run(verl_cpu.loaders_on_rank, checkpoint, verl_legacy_cpu.critic_weights)
+    summary = verl_cpu.check_same_weights_one_reader(ranks)
+    assert "left to the host: ['output_layer.bias', 'output_layer.weight']" in summary
+
+
+def test_a_critic_takes_a_reward_checkpoints_score_head(pool, reward_checkpoint):
+    """From a ``Qwen2ForSequenceClassification`` checkpoint (mbridge branch) the value head
+    is its ``score.weight``, the backbone its decoder. verl 0.7's own paths cannot load
+    this checkpoint into a critic: mbridge looks for an ``lm_head.weight``, and the legacy
+    builder refuses the architecture ("'Qwen2ForSequenceClassification' is not a valid
+    SupportedModel") before its loader, which would read ``score.weight``, runs."""
+    ranks = pool.run(
+        verl_legacy_cpu.critic_on_rank,
+        reward_checkpoint,
+        use_mbridge=True,
+        MEGASTART_BLOCKLIST="comm_warmup,verl_probe",
+    )
+    for out in ranks:
+        verl_cpu.check_critic_from_reward_checkpoint(out, reward_checkpoint)

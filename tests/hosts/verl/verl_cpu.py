@@ -28,8 +28,9 @@ TP = 2
 """Tensor-parallel size of the test engine (the pool's world size)."""
 
 
-def save_tiny_qwen2(path: Path) -> None:
-    """A random two-layer Qwen2 checkpoint (safetensors), as ``save_pretrained`` writes it."""
+def save_tiny_qwen2(path: Path, *, reward_model: bool = False) -> None:
+    """A random two-layer Qwen2 checkpoint (safetensors), as ``save_pretrained`` writes it:
+    a causal LM, or a reward model (``Qwen2ForSequenceClassification``, one label)."""
     import torch
     import transformers
 
@@ -44,7 +45,11 @@ def save_tiny_qwen2(path: Path) -> None:
         tie_word_embeddings=False,
     )
     torch.manual_seed(0)
-    transformers.Qwen2ForCausalLM(config).save_pretrained(path)
+    if reward_model:
+        config.num_labels = 1
+        transformers.Qwen2ForSequenceClassification(config).save_pretrained(path)
+    else:
+        transformers.Qwen2ForCausalLM(config).save_pretrained(path)
 
 
 def use_local_spec_in_mbridge() -> None:
@@ -267,6 +272,11 @@ def engine_weights(checkpoint: str, **env: str) -> dict[str, Any]:
     return parameters(initialized_engine(checkpoint, **env))
 
 
+def critic_weights(checkpoint: str, **env: str) -> dict[str, Any]:
+    """The weights of a forward-only critic engine after verl's ``initialize``."""
+    return parameters(initialized_engine(checkpoint, value_model=True, **env))
+
+
 def loaders_on_rank(
     checkpoint: str, weights: Callable[..., dict[str, Any]] = engine_weights
 ) -> dict[str, Any]:
@@ -300,16 +310,22 @@ def loaders_on_rank(
 # -- checked in the test process ----------------------------------------------------
 
 
-def hf_shard(checkpoint: str, name: str, tp_rank: int) -> Any:
-    """This TP rank's rows of an HF tensor, as bf16 parameters hold them."""
+def hf_tensor(checkpoint: str, name: str) -> Any:
+    """An HF tensor as bf16 parameters hold it."""
     import torch
     from safetensors.torch import load_file
 
-    full = load_file(f"{checkpoint}/model.safetensors")[name].to(torch.bfloat16).float()
-    return full.chunk(TP)[tp_rank]
+    return load_file(f"{checkpoint}/model.safetensors")[name].to(torch.bfloat16).float()
 
 
-def check_probe_handled_load(out: dict[str, Any], checkpoint: str, engine_class: str) -> None:
+def hf_shard(checkpoint: str, name: str, tp_rank: int) -> Any:
+    """This TP rank's rows of an HF tensor, as bf16 parameters hold them."""
+    return hf_tensor(checkpoint, name).chunk(TP)[tp_rank]
+
+
+def check_probe_handled_load(
+    out: dict[str, Any], checkpoint: str, engine_class: str, *, value_model: bool = False
+) -> None:
     """The probe plugin's report (mode ``handle``) replaced verl's loader on this rank:
     one ``on_model_load`` call saw the real model and context, and no weight was loaded."""
     from importlib import metadata
@@ -332,7 +348,7 @@ def check_probe_handled_load(out: dict[str, Any], checkpoint: str, engine_class:
         "hf_model_type": "qwen2",
         "is_restart": False,
         "mode": "handle",
-        "value_model": False,
+        "value_model": value_model,
         "engine_class": engine_class,
     }
     for name, value in out["params"].items():
@@ -350,9 +366,30 @@ def check_loaded_from_hf(out: dict[str, Any], checkpoint: str) -> None:
     assert torch.equal(params["output_layer.weight"], lm_head)
 
 
-def check_same_weights_one_reader(ranks: list[dict[str, Any]]) -> None:
+def check_critic_fell_through_to_verl(out: dict[str, Any], checkpoint: str) -> None:
+    """A critic's load reached ``on_model_load`` as a value model, no plugin handled it,
+    and verl's own loader wrote the backbone (this rank's embedding rows)."""
+    import torch
+
+    assert [(c["hook"], c["value_model"]) for c in out["calls"]] == [("on_model_load", True)]
+    embedding = hf_shard(checkpoint, "model.embed_tokens.weight", out["tp_rank"])
+    assert torch.equal(out["params"]["embedding.word_embeddings.weight"], embedding)
+
+
+def check_critic_from_reward_checkpoint(out: dict[str, Any], checkpoint: str) -> None:
+    """A critic loaded from a reward model's checkpoint: the value head is its
+    ``score.weight``, the backbone its decoder (this rank's embedding rows)."""
+    import torch
+
+    params = out["params"]
+    assert torch.equal(params["output_layer.weight"], hf_tensor(checkpoint, "score.weight"))
+    embedding = hf_shard(checkpoint, "model.embed_tokens.weight", out["tp_rank"])
+    assert torch.equal(params["embedding.word_embeddings.weight"], embedding)
+
+
+def check_same_weights_one_reader(ranks: list[dict[str, Any]]) -> str:
     """:func:`loaders_on_rank` on every rank: only rank 0 read, and both loaders
-    wrote the same weights."""
+    wrote the same weights. Returns rank 0's summary line of the load."""
     import torch
 
     (summary,) = [
@@ -366,6 +403,7 @@ def check_same_weights_one_reader(ranks: list[dict[str, Any]]) -> None:
         assert ours.keys() == verls.keys()
         for name in ours:
             assert torch.equal(ours[name], verls[name]), name
+    return summary
 
 
 def recover_on_rank(checkpoint: str, recover_dir: str, **env: str) -> dict[str, Any]:

@@ -15,13 +15,19 @@ Test-only shims on top of the demo's CPU shims and those of :mod:`verl_cpu`:
   on CPU the id is ``"cpu"`` (``torch.cpu.current_device()``): here the builder's
   id is 0 (verl's loaders, which allocate on the bare id, keep ``"cpu"``);
 - verl empties the device cache after building, asking the device how much it
-  reserved; ``torch.cpu`` has no caching allocator: nothing reserved, nothing to free.
+  reserved; ``torch.cpu`` has no caching allocator: nothing reserved, nothing to free;
+- the legacy critic's value head (``LinearForLastLayer``) comes from a verl package
+  that imports flash-attn, which has no CPU build: ``stubs/flash_attn`` is on
+  ``sys.path`` while a critic is built (every function in it raises if called).
 
 The ``*_on_rank`` functions are what the tests run on every rank.
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +35,16 @@ import verl_cpu
 
 TP = verl_cpu.TP
 
+STUBS = str(Path(__file__).parent / "stubs")
 
-def save_tiny_qwen2_with_tokenizer(path: Path) -> None:
+
+def save_tiny_qwen2_with_tokenizer(path: Path, *, reward_model: bool = False) -> None:
     """:func:`verl_cpu.save_tiny_qwen2` plus a word-level tokenizer over its 256 ids:
     the legacy workers load the tokenizer before the model."""
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    verl_cpu.save_tiny_qwen2(path)
+    verl_cpu.save_tiny_qwen2(path, reward_model=reward_model)
     vocab = {f"t{i}": i for i in range(256)}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
     PreTrainedTokenizerFast(
@@ -54,6 +62,12 @@ def worker_config(checkpoint: str, *, use_mbridge: bool) -> Any:
         return compose(
             "ppo_megatron_trainer",
             overrides=[
+                f"critic.model.path={checkpoint}",
+                f"critic.megatron.tensor_model_parallel_size={TP}",
+                f"critic.megatron.use_mbridge={use_mbridge}",
+                "critic.ppo_micro_batch_size_per_gpu=1",
+                "+critic.megatron.override_transformer_config.use_cpu_initialization=True",
+                "+critic.megatron.override_transformer_config.sequence_parallel=False",
                 f"{section}.model.path={checkpoint}",
                 f"{section}.actor.megatron.tensor_model_parallel_size={TP}",
                 f"{section}.ref.megatron.tensor_model_parallel_size={TP}",
@@ -103,10 +117,10 @@ def use_cpu_as_verls_device() -> None:
 # -- run on every rank ------------------------------------------------------------
 
 
-def worker(checkpoint: str, role: str, *, use_mbridge: bool, **env: str) -> Any:
-    """verl's ``ActorRolloutRefWorker`` for ``role``, after its own ``init_model``."""
+def prepared_config(checkpoint: str, *, use_mbridge: bool, **env: str) -> Any:
+    """This rank made ready to build a worker (settings from ``env``, the probe's calls
+    cleared, Megatron initialised, the shims on), and the workers' config."""
     import megastart_verl_probe
-    from verl.workers.megatron_workers import ActorRolloutRefWorker
 
     from megastart.demo.cpu import initialize_megatron
 
@@ -118,7 +132,14 @@ def worker(checkpoint: str, role: str, *, use_mbridge: bool, **env: str) -> Any:
         verl_cpu.use_local_spec_in_mbridge()
     else:
         use_local_spec_in_verl()
-    config = worker_config(checkpoint, use_mbridge=use_mbridge)
+    return worker_config(checkpoint, use_mbridge=use_mbridge)
+
+
+def worker(checkpoint: str, role: str, *, use_mbridge: bool, **env: str) -> Any:
+    """verl's ``ActorRolloutRefWorker`` for ``role``, after its own ``init_model``."""
+    from verl.workers.megatron_workers import ActorRolloutRefWorker
+
+    config = prepared_config(checkpoint, use_mbridge=use_mbridge, **env)
     built = ActorRolloutRefWorker(config.actor_rollout_ref, role=role)
     built.init_model()
     return built
@@ -154,6 +175,68 @@ def load_on_rank(checkpoint: str, *, use_mbridge: bool, **env: str) -> dict[str,
 def reference_weights(checkpoint: str, **env: str) -> dict[str, Any]:
     """The weights of a reference worker (verl's legacy loader) after ``init_model``."""
     return parameters(worker(checkpoint, "ref", use_mbridge=False, **env).ref_module)
+
+
+@contextmanager
+def flash_attn_stub() -> Iterator[None]:
+    sys.path.insert(0, STUBS)
+    try:
+        yield
+    finally:
+        sys.path.remove(STUBS)
+
+
+def critic_model(checkpoint: str, *, use_mbridge: bool, **env: str) -> tuple[Any, dict[str, Any]]:
+    """verl's ``CriticWorker.init_model`` until Megatron's optimizer stops it on CPU
+    (it allocates on ``cuda``), after the HF load: the critic's model chunks as verl
+    built and loaded them, and where verl stopped."""
+    from verl.utils import megatron_utils
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.megatron_workers import CriticWorker
+
+    config = prepared_config(checkpoint, use_mbridge=use_mbridge, **env)
+    built: list[Any] = []
+    make = megatron_utils.make_megatron_module
+
+    def keeping_the_model(*args: Any, **kwargs: Any) -> Any:
+        module, tf_config = make(*args, **kwargs)
+        built.append(module)
+        return module, tf_config
+
+    megatron_utils.make_megatron_module = keeping_the_model
+    try:
+        with flash_attn_stub():
+            CriticWorker(omega_conf_to_dataclass(config.critic)).init_model()
+    except AssertionError as e:  # "Torch not compiled with CUDA enabled"
+        (module,) = built
+        return module, where_it_stopped(e)
+    finally:
+        megatron_utils.make_megatron_module = make
+    raise AssertionError("CriticWorker.init_model ran to the end on CPU; expected a CUDA stop")
+
+
+def critic_weights(checkpoint: str, **env: str) -> dict[str, Any]:
+    """The weights of a critic after verl's legacy loader (``use_mbridge=false``) or a plugin."""
+    return parameters(critic_model(checkpoint, use_mbridge=False, **env)[0])
+
+
+def critic_on_rank(checkpoint: str, *, use_mbridge: bool, **env: str) -> dict[str, Any]:
+    """A critic worker's ``init_model``: the hooks seen, its weights, where verl stopped."""
+    import megastart_verl_probe
+    from megatron.core import parallel_state
+
+    from megastart.demo.cpu import destroy_megatron
+
+    try:
+        model, stop = critic_model(checkpoint, use_mbridge=use_mbridge, **env)
+        return {
+            "calls": list(megastart_verl_probe.CALLS),
+            "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+            "params": parameters(model),
+            "stop": stop,
+        }
+    finally:
+        destroy_megatron()
 
 
 def tiny_batch() -> Any:
