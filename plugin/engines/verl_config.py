@@ -12,12 +12,12 @@ section into its defaults and hands it to Ray without resolving
 interpolations, so a resolver in the YAML would reach Ray as the literal text
 ``${...}``. They also depend on the final command line (``megastart.blocklist=
 [comm_warmup]``), which Hydra applies after every config group. So they are
-written into the composed config just before Ray starts: by the verl driver
-adapter around ``run_ppo`` (:mod:`megastart.engines.verl_driver`: ``@hydra.main``
-and the compose API alike, wherever megastart is active in the driver), and by
-this module's Hydra callback, whose ``on_run_start`` sees the composed config
-before the task function runs (any ``@hydra.main`` app over verl's config, the
-recipes' included, with or without megastart active in the driver).
+written into the composed config just before Ray starts: by this module's
+Hydra callback, whose ``on_run_start`` sees the composed config before the task
+function runs (any ``@hydra.main`` app over verl's config: ``python -m
+verl.trainer.main_ppo``, the recipes), and by the verl driver adapter around
+``run_ppo`` (:mod:`megastart.engines.verl_driver`: a script that composes the
+config with the compose API, where no callback runs, and calls ``run_ppo``).
 """
 
 from __future__ import annotations

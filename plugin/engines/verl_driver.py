@@ -1,13 +1,15 @@
-"""The verl driver adapter: a run's ``megastart:`` section reaches every Ray worker,
-under ``@hydra.main`` and the compose API alike.
+"""The verl driver adapter: a run's ``megastart:`` section reaches every Ray worker
+when a script composes verl's config with Hydra's compose API and calls ``run_ppo``.
 
 verl's ``run_ppo(config, ...)`` (``verl/trainer/main_ppo.py``, 0.7 to 0.9) starts
 Ray with ``config.ray_kwargs.ray_init``, and Ray gives every worker that
 ``runtime_env``'s ``env_vars``. The adapter wraps ``run_ppo`` so that, before
 Ray starts, the section is validated and written there as ``MEGASTART_*``
-variables (:func:`megastart.engines.verl_config.export_to_ray_workers`): verl's
-own ``main`` and a script that composed the config and calls ``run_ppo`` need
-nothing else. A config without a ``megastart`` section passes untouched.
+variables (:func:`megastart.engines.verl_config.export_to_ray_workers`): any
+program that imports ``run_ppo`` needs nothing else. ``python -m
+verl.trainer.main_ppo`` runs that module as ``__main__``, which no post-import
+hook sees: there the Hydra callback of ``+megastart=on|off`` writes the section.
+A config without a ``megastart`` section passes untouched.
 """
 
 from __future__ import annotations

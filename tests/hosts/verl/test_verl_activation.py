@@ -105,3 +105,25 @@ def test_verl_0_7_megastart_on_carries_the_activation_variable_to_the_workers():
     export_to_ray_workers(config)
     bootstrap = OmegaConf.select(config, f"{ENV_VARS}.AUTOWRAPT_BOOTSTRAP")
     assert bootstrap == "user.patches,megastart.bootstrap"
+
+
+STATUS = "import sys; from megastart.cli import main; sys.exit(main(['status', '--json']))"
+
+
+def verl_route(**env: str) -> str:
+    proc = run_python(STATUS, env={"AUTOWRAPT_BOOTSTRAP": "", **env})
+    return json.loads(proc.stdout)["activation"]["hosts"]["verl"]["route"]
+
+
+def test_status_shows_how_the_installed_verl_activates_megastart():
+    if HAS_PLUGIN_GROUP:
+        assert verl_route() == "verl.plugins (loaded by every import of verl): installed = on"
+        assert verl_route(VERL_USE_EXTERNAL_PLUGINS="none") == (
+            "AUTOWRAPT_BOOTSTRAP=megastart.bootstrap in the workers' environment "
+            "(verl.plugins is filtered: VERL_USE_EXTERNAL_PLUGINS=none leaves megastart out)"
+        )
+    else:
+        assert verl_route() == (
+            "AUTOWRAPT_BOOTSTRAP=megastart.bootstrap in the workers' environment "
+            "(this verl is older than verl>=0.9)"
+        )
