@@ -64,6 +64,7 @@ VERL07_NEEDS = (
     *("transformers<5", "pyarrow<21"),
 )
 VERL07_TESTS = (
+    "tests/hosts/verl/test_verl_activation.py",
     "tests/hosts/verl/test_verl_legacy_adapter.py",
     "tests/hosts/verl/test_verl_legacy_workers_cpu.py",
     # the engine adapter on verl 0.7's engine (trainer.use_legacy_worker_impl=disable);

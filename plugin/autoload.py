@@ -1,11 +1,12 @@
-"""Activates megastart in this process; import it from a host's module hook.
+"""Importing this module activates megastart in this process.
 
-verl: ``VERL_USE_EXTERNAL_MODULES=megastart.autoload``; AReaL: the worker
-command or ``PYTHONSTARTUP``-style env vars set by megastart's config group.
-Importing this module only registers a post-import hook (no entry-point scan,
-no torch): adapters attach when the host's Megatron engine module is imported.
+It is megastart's entry in verl's plugin group ``verl.plugins``: verl >= 0.9
+imports it at ``import verl`` (filtered by ``VERL_USE_EXTERNAL_PLUGINS``). A
+script of any host may import it too. It only registers post-import hooks
+(importing wrapt and :mod:`megastart.activation`); an adapter attaches when its
+host module is imported.
 """
 
-from megastart.engines import activate
+from megastart.activation import activate
 
 activate()

@@ -20,11 +20,13 @@ while they start:
                 right after a recover load, while GPU memory is light (no GPU
                 OOM inside the first step after a restart).
 
-Switch it on for a run:   verl:  python -m verl.trainer.main_ppo ... +megastart=on
-                          any process: import megastart.autoload
-Switch it off:            MEGASTART_DISABLE=1   (or megastart.enabled=false)
-Block one plugin:         MEGASTART_BLOCKLIST=comm_warmup
-                          (or megastart.blocklist=[comm_warmup])
+Switch it on:      verl >= 0.9: installed = on (verl.plugins, at `import verl`)
+                   any other host: AUTOWRAPT_BOOTSTRAP=megastart.bootstrap in the
+                   workers' environment (README "Install": one line per host)
+Switch it off:     verl: +megastart=off;  anywhere: MEGASTART_DISABLE=1
+Block one plugin:  verl: +megastart=on megastart.blocklist=[comm_warmup]
+                   anywhere: MEGASTART_BLOCKLIST=comm_warmup
+`megastart status` shows how each installed host activates megastart.
 """
 
 # subcommand -> module defining HELP, add_arguments(parser) and run(args) -> int

@@ -1,4 +1,5 @@
-"""``megastart status``: what is installed, what is blocked, and the resolved settings."""
+"""``megastart status``: what is installed, how it activates, what is blocked, and the
+resolved settings."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 import json
 from typing import Any
 
-HELP = "show plugins, engine adapters and resolved settings"
+HELP = "show plugins, engine adapters, how each host activates megastart, and settings"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,7 +61,61 @@ def collect() -> dict[str, Any]:
         "enabled": settings.enabled,
         "plugins": plugins,
         "engines": engines,
+        "activation": activation(engines),
         "settings": settings.as_dict(),
+    }
+
+
+def activation(engines: list[dict[str, Any]]) -> dict[str, Any]:
+    """How each installed host activates megastart, and this shell's bootstrap variable."""
+    import os
+    from importlib import metadata
+
+    from megastart.activation import (
+        BOOTSTRAP_GROUP,
+        BOOTSTRAP_VARIABLE,
+        HOST_PLUGIN_GROUPS,
+        loads_megastart,
+        plugin_group,
+    )
+
+    try:
+        autowrapt: str | None = metadata.version("autowrapt")
+    except metadata.PackageNotFoundError:
+        autowrapt = None
+    value = os.environ.get(BOOTSTRAP_VARIABLE, "")
+    names_megastart = BOOTSTRAP_GROUP in [group.strip() for group in value.split(",")]
+    hooked = {ep.name for ep in metadata.entry_points(group=BOOTSTRAP_GROUP)}
+    hosts: dict[str, dict[str, Any]] = {}
+    for engine in engines:
+        if engine["installed_version"] is None or engine["host"] in hosts:
+            continue
+        group = plugin_group(engine["host"])
+        filtered = group is not None and not loads_megastart(
+            group, os.environ.get(group.filter_variable)
+        )
+        if group is not None and not filtered:
+            route = f"{group.group} (loaded by every import of {engine['host']}): installed = on"
+        elif autowrapt is None:
+            route = f"none: autowrapt is not installed, so {BOOTSTRAP_VARIABLE} does nothing"
+        else:
+            route = f"{BOOTSTRAP_VARIABLE}={BOOTSTRAP_GROUP} in the workers' environment"
+        if filtered:
+            assert group is not None
+            route += (
+                f" ({group.group} is filtered: {group.filter_variable}="
+                f"{os.environ[group.filter_variable]} leaves megastart out)"
+            )
+        elif engine["host"] in HOST_PLUGIN_GROUPS and group is None:
+            route += f" (this {engine['host']} is older than {HOST_PLUGIN_GROUPS[engine['host']].requirement})"
+        hosts[engine["host"]] = {"version": engine["installed_version"], "route": route}
+    return {
+        "variable": BOOTSTRAP_VARIABLE,
+        "value": value or None,
+        "names_megastart": names_megastart,
+        "autowrapt": autowrapt,
+        "hosts": hosts,
+        "unhooked_adapters": sorted({e["name"] for e in engines} - hooked),
     }
 
 
@@ -87,6 +142,7 @@ def render(report: dict[str, Any]) -> str:
         )
     if not report["engines"]:
         lines.append("  (none installed)")
+    lines += ["", *render_activation(report["activation"])]
     lines += ["", "settings (value  <- source):"]
     for key, entry in report["settings"].items():
         if "source" in entry:
@@ -95,3 +151,22 @@ def render(report: dict[str, Any]) -> str:
             for field, sub in entry.items():
                 lines.append(f"  {key + '.' + field:<28} {sub['value']!r:<24} <- {sub['source']}")
     return "\n".join(lines)
+
+
+def render_activation(report: dict[str, Any]) -> list[str]:
+    from megastart.activation import BOOTSTRAP_GROUP
+
+    if report["value"] is None:
+        shell = "unset"
+    elif report["names_megastart"]:
+        shell = f"{report['value']!r}: megastart activates in this shell's processes"
+    else:
+        shell = f"{report['value']!r}: does not name {BOOTSTRAP_GROUP}"
+    lines = [f"activation ({report['variable']} in this shell: {shell}):"]
+    for host, entry in report["hosts"].items():
+        lines.append(f"  {host:<8} {entry['version']:<10} {entry['route']}")
+    if not report["hosts"]:
+        lines.append("  (no supported host installed)")
+    for name in report["unhooked_adapters"]:
+        lines.append(f"  {name}: never attaches (no {BOOTSTRAP_GROUP!r} entry point)")
+    return lines

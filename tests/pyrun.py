@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 
 def run_python(
@@ -27,3 +29,20 @@ def run_python(
             f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
         )
     return proc
+
+
+@contextmanager
+def started_with(env: Mapping[str, str]) -> Iterator[None]:
+    """Processes started inside the block (a ``RankPool``'s spawned ranks) start with
+    ``env`` in their environment: for variables read at interpreter start-up
+    (``AUTOWRAPT_BOOTSTRAP``), which ``RankPool(env=...)`` sets too late."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value

@@ -1,5 +1,7 @@
-"""Engine adapters attach when their host module is imported (before or after
-activation), refuse incompatible hosts loudly, and detach cleanly."""
+"""Engine adapters attach the moment their host module's import returns (through
+autowrapt's variable, or ``import megastart.autoload`` before or after the host),
+refuse incompatible hosts loudly, and detach cleanly; without the variable,
+nothing of megastart is imported."""
 
 from __future__ import annotations
 
@@ -36,37 +38,60 @@ def check_attached(out: dict) -> None:
 
 # The built-in loader would try to read the toy checkpoints from disk.
 TOY_ONLY = {"MEGASTART_BLOCKLIST": "rank0_loader"}
+BOOTSTRAP = {"AUTOWRAPT_BOOTSTRAP": "megastart.bootstrap"}
 
 
-def test_host_imported_after_activation_is_attached_and_detached():
-    code = "import megastart.autoload, megatron.core\n" + REPORT
-    check_attached(json.loads(run_python(code, env=TOY_ONLY).stdout))
-
-
-def test_host_imported_before_activation_is_attached_too():
-    code = "import megastart_toyhost.engine\nimport megastart.autoload, megatron.core\n" + REPORT
-    check_attached(json.loads(run_python(code, env=TOY_ONLY).stdout))
-
-
-def test_nothing_attaches_before_megatron_core_is_imported():
+def test_variable_wraps_the_host_class_when_its_import_returns():
     code = """
-        import megastart.autoload, megastart_toyhost.engine
-        from megastart.engines import adapters
-        print(adapters())
+        import json
+        from megastart_toyhost import engine
+        print(json.dumps(hasattr(engine.Engine.__dict__["load_weights"], "__wrapped__")))
     """
-    assert run_python(code).stdout.strip() == "{}"
+    assert json.loads(run_python(code, env={**TOY_ONLY, **BOOTSTRAP}).stdout) is True
+
+
+def test_host_imported_with_the_variable_is_attached_and_detached():
+    check_attached(json.loads(run_python(REPORT, env={**TOY_ONLY, **BOOTSTRAP}).stdout))
+
+
+def test_host_imported_after_autoload_is_attached_and_detached():
+    code = "import megastart.autoload\n" + REPORT
+    check_attached(json.loads(run_python(code, env=TOY_ONLY).stdout))
+
+
+def test_host_imported_before_autoload_is_attached_too():
+    code = "import megastart_toyhost.engine\nimport megastart.autoload\n" + REPORT
+    check_attached(json.loads(run_python(code, env=TOY_ONLY).stdout))
+
+
+def test_both_routes_in_one_process_attach_once():
+    code = "import megastart.autoload\n" + REPORT
+    check_attached(json.loads(run_python(code, env={**TOY_ONLY, **BOOTSTRAP}).stdout))
+
+
+def test_without_the_variable_nothing_of_megastart_is_imported_or_attached():
+    # autowrapt's own start-up file imports autowrapt (one small module) and stops there
+    code = """
+        import json, sys
+        from megastart_toyhost import engine
+        print(json.dumps({
+            "imported": sorted(m for m in sys.modules if m.split(".")[0] in ("megastart", "wrapt")),
+            "wrapped": hasattr(engine.Engine.__dict__["load_weights"], "__wrapped__"),
+        }))
+    """
+    out = json.loads(run_python(code, env={"AUTOWRAPT_BOOTSTRAP": ""}).stdout)
+    assert out == {"imported": [], "wrapped": False}
 
 
 def test_disabled_megastart_attaches_nothing():
-    code = "import megastart.autoload, megatron.core\n" + REPORT
-    proc = run_python(code, env={"MEGASTART_DISABLE": "1"})
+    proc = run_python(REPORT, env={**BOOTSTRAP, "MEGASTART_DISABLE": "1"})
     out = json.loads(proc.stdout)
     assert out["attached"] == {} and not out["wrapped"] and out["by_plugin"] == "host"
 
 
 REFUSED = """
     import importlib, logging; logging.basicConfig(level=logging.INFO)
-    import megastart.autoload, megatron.core
+    import megastart.autoload
     host = importlib.import_module({module!r})
     from megastart.engines import adapters
     print(adapters()[{module!r}].attached, hasattr(host.Engine.load_weights, "__wrapped__"))

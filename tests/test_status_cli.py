@@ -15,7 +15,7 @@ def status(*argv: str, **env: str):
 
 def test_status_json_has_the_documented_keys():
     out = json.loads(status("status", "--json").stdout)
-    assert {"version", "enabled", "plugins", "engines", "settings"} <= set(out)
+    assert {"version", "enabled", "plugins", "engines", "activation", "settings"} <= set(out)
     loader = next(p for p in out["plugins"] if p["name"] == "rank0_loader")
     assert loader["distribution"] == "megastart" and loader["hooks"] == ["on_model_load"]
     assert loader["blocked"] is False and loader["version"] == out["version"]
@@ -58,6 +58,27 @@ def test_status_text_at_a_glance():
 
 def test_help_says_how_to_switch_it_on_and_off():
     text = status("--help").stdout
+    for line in (
+        "AUTOWRAPT_BOOTSTRAP=megastart.bootstrap",
+        "+megastart=off",
+        "+megastart=on megastart.blocklist=[comm_warmup]",
+        "MEGASTART_DISABLE=1",
+        "MEGASTART_BLOCKLIST=comm_warmup",
+    ):
+        assert line in text
+
+
+def test_status_shows_the_route_of_each_installed_host_and_the_shell_variable():
+    # the toy host (megastart-toyplugin) has no plugin group of its own
+    unset = json.loads(status("status", "--json", AUTOWRAPT_BOOTSTRAP="").stdout)["activation"]
+    assert unset["value"] is None and not unset["names_megastart"]
+    assert unset["hosts"]["toyhost"] == {
+        "version": "1.0.0",
+        "route": "AUTOWRAPT_BOOTSTRAP=megastart.bootstrap in the workers' environment",
+    }
+    assert unset["unhooked_adapters"] == []
+    text = status("status", AUTOWRAPT_BOOTSTRAP="other.patches,megastart.bootstrap").stdout
     assert (
-        "+megastart=on" in text and "MEGASTART_DISABLE=1" in text and "MEGASTART_BLOCKLIST" in text
+        "activation (AUTOWRAPT_BOOTSTRAP in this shell: 'other.patches,megastart.bootstrap': "
+        "megastart activates in this shell's processes)" in text
     )

@@ -177,9 +177,9 @@ class EngineAdapter(ABC):
 _MISSING = object()
 
 
-def unwrap(owner: type, name: str, wrapper: Any) -> None:
+def unwrap(owner: type | ModuleType, name: str, wrapper: Any) -> None:
     """Put back the function ``wrapper`` (what ``wrapt.wrap_function_wrapper`` returned)
-    replaced on ``owner``; refuse if someone replaced it since.
+    replaced on ``owner`` (a class or a module); refuse if someone replaced it since.
 
     Already restored is fine, so ``detach`` can be retried after such a refusal.
     """
@@ -189,8 +189,8 @@ def unwrap(owner: type, name: str, wrapper: Any) -> None:
         return
     if current is not wrapper:
         raise RuntimeError(
-            f"megastart: cannot restore {owner.__qualname__}.{name}: it was replaced after "
-            "megastart wrapped it; detach the later wrapper first"
+            f"megastart: cannot restore {getattr(owner, '__qualname__', owner.__name__)}.{name}: "
+            "it was replaced after megastart wrapped it; detach the later wrapper first"
         )
     setattr(owner, name, original)
 

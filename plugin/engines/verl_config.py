@@ -1,24 +1,29 @@
-"""``+megastart=on`` for verl: carry the activation and the settings to verl's Ray workers.
+"""``+megastart=on|off`` for verl: carry the settings (and, where verl needs it, the
+activation) to verl's Ray workers.
 
 verl passes ``ray_kwargs.ray_init`` to ``ray.init`` (``verl/trainer/main_ppo.py``
 ``run_ppo``), and Ray gives every worker ``runtime_env.env_vars``. So the
-activation (``VERL_USE_EXTERNAL_MODULES=...,megastart.autoload``: every
-``import verl`` then imports :mod:`megastart.autoload`) and the ``megastart:``
-settings (as ``MEGASTART_*`` variables) go there.
+``megastart:`` settings go there as ``MEGASTART_*`` variables, and, for a verl
+without the plugin group ``verl.plugins`` (before 0.9), the activation
+variable ``AUTOWRAPT_BOOTSTRAP=megastart.bootstrap``.
 
 They must be plain strings when verl reads them: ``run_ppo`` merges that
 section into its defaults and hands it to Ray without resolving
 interpolations, so a resolver in the YAML would reach Ray as the literal text
 ``${...}``. They also depend on the final command line (``megastart.blocklist=
-[comm_warmup]``, the user's own ``VERL_USE_EXTERNAL_MODULES``), which Hydra
-applies after every config group. Hence a Hydra callback: ``on_run_start`` sees
-the composed config, with the command line applied, before the task function
-(verl's ``main``) runs, and writes the strings into it.
+[comm_warmup]``), which Hydra applies after every config group. So they are
+written into the composed config just before Ray starts: by this module's
+Hydra callback, whose ``on_run_start`` sees the composed config before the task
+function runs (any ``@hydra.main`` app over verl's config: ``python -m
+verl.trainer.main_ppo``, the recipes), and by the verl driver adapter around
+``run_ppo`` (:mod:`megastart.engines.verl_driver`: a script that composes the
+config with the compose API, where no callback runs, and calls ``run_ppo``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -26,15 +31,21 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from megastart.activation import (
+    BOOTSTRAP_GROUP,
+    BOOTSTRAP_VARIABLE,
+    loads_megastart,
+    plugin_group,
+)
 from megastart.settings import ENV_PREFIX, Settings
 
-AUTOLOAD = "megastart.autoload"
-EXTERNAL_MODULES = "VERL_USE_EXTERNAL_MODULES"
 ENV_VARS = "ray_kwargs.ray_init.runtime_env.env_vars"
+
+log = logging.getLogger("megastart")
 
 
 class ExportToRayWorkers(Callback):
-    """Hydra callback installed by ``+megastart=on``: see :func:`export_to_ray_workers`."""
+    """Hydra callback installed by ``+megastart=on|off``: see :func:`export_to_ray_workers`."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         export_to_ray_workers(config)
@@ -43,16 +54,17 @@ class ExportToRayWorkers(Callback):
         # Hydra copies each job's config before any per-job callback runs, so
         # nothing could reach the workers: refuse rather than run without megastart.
         raise RuntimeError(
-            "megastart: +megastart=on does not support Hydra multirun (-m): the settings "
+            "megastart: +megastart=on|off does not support Hydra multirun (-m): the settings "
             "cannot reach each job's Ray workers; run the jobs one by one"
         )
 
 
 def export_to_ray_workers(config: DictConfig) -> dict[str, str]:
-    """Validate ``config.megastart`` and write it, with the activation, into verl's Ray env vars.
+    """Validate ``config.megastart`` and write it into verl's Ray env vars, with the
+    activation variable where the installed verl has no plugin group (idempotent).
 
-    Call it yourself on a config composed with Hydra's compose API (the callback
-    only runs under ``@hydra.main``).
+    ``run_ppo`` calls it (the verl driver adapter); call it yourself only when you
+    start verl's Ray workers without ``run_ppo``.
 
     :returns: the variables written to ``ray_kwargs.ray_init.runtime_env.env_vars``.
     :raises megastart.settings.SettingsError: an unknown or invalid setting (the
@@ -64,7 +76,18 @@ def export_to_ray_workers(config: DictConfig) -> dict[str, str]:
     assert isinstance(section, dict)
     settings = configure(_without_nulls(section))
     env = settings_env(settings)
-    env[EXTERNAL_MODULES] = ",".join(_with_autoload(config))
+    if settings.enabled:
+        group = plugin_group("verl")
+        if group is None:
+            env[BOOTSTRAP_VARIABLE] = ",".join(_with_bootstrap_group(config))
+        elif not loads_megastart(group, _worker_env(config, group.filter_variable)):
+            log.warning(
+                "megastart: megastart.enabled is true, but %s=%s leaves megastart out of %s: "
+                "verl will not load it in the workers; add megastart to that list",
+                group.filter_variable,
+                _worker_env(config, group.filter_variable),
+                group.group,
+            )
     with open_dict(config):
         for name, value in env.items():
             OmegaConf.update(config, f"{ENV_VARS}.{name}", value, force_add=True)
@@ -89,13 +112,17 @@ def settings_env(settings: Settings) -> dict[str, str]:
     return env
 
 
-def _with_autoload(config: DictConfig) -> list[str]:
-    """The user's external modules (from the config, else the launching shell) plus ours."""
-    listed = OmegaConf.select(config, f"{ENV_VARS}.{EXTERNAL_MODULES}", default=None)
-    if listed is None:
-        listed = os.environ.get(EXTERNAL_MODULES, "")
-    modules = [module.strip() for module in str(listed).split(",") if module.strip()]
-    return modules if AUTOLOAD in modules else [*modules, AUTOLOAD]
+def _worker_env(config: DictConfig, name: str) -> str | None:
+    """Variable ``name`` as the workers will see it: from the config, else the launching shell."""
+    value = OmegaConf.select(config, f"{ENV_VARS}.{name}", default=None)
+    return os.environ.get(name) if value is None else str(value)
+
+
+def _with_bootstrap_group(config: DictConfig) -> list[str]:
+    """The entry-point groups the user's ``AUTOWRAPT_BOOTSTRAP`` names, plus megastart's."""
+    listed = _worker_env(config, BOOTSTRAP_VARIABLE) or ""
+    groups = [group.strip() for group in listed.split(",") if group.strip()]
+    return groups if BOOTSTRAP_GROUP in groups else [*groups, BOOTSTRAP_GROUP]
 
 
 def _without_nulls(section: Mapping[Any, Any]) -> dict[str, Any]:

@@ -34,6 +34,11 @@ and that importing AReaL's engine would otherwise load after the stub (found
 by importing AReaL and listing the new modules whose source names it)."""
 
 
+ACTIVATION = {"AUTOWRAPT_BOOTSTRAP": "megastart.bootstrap"}
+"""What activates megastart in an AReaL worker: start rank pools inside
+``pyrun.started_with(ACTIVATION)``."""
+
+
 def python_path() -> str:
     """``PYTHONPATH`` for a subprocess that imports AReaL through this module."""
     return os.pathsep.join([HERE, STUBS, os.environ.get("PYTHONPATH", "")])

@@ -1,5 +1,5 @@
 """Rank functions for the AReaL tests: AReaL's real ``MegatronEngine`` (with
-megastart attached) around real Megatron-core GPT chunks on CPU over gloo.
+megastart attached: the pools start ranks with ``areal_cpu.ACTIVATION``) around real Megatron-core GPT chunks on CPU over gloo.
 
 AReaL's ``MegatronEngine.initialize`` cannot run without a GPU (it builds the
 model under ``torch.device(LOCAL_RANK)``, a CUDA device), so :func:`engine_on_cpu`
@@ -17,8 +17,6 @@ from types import SimpleNamespace
 from typing import Any
 
 from areal_cpu import import_megatron_engine, python_path
-
-import megastart.autoload  # noqa: F401  (what megastart.areal_worker does first)
 
 HF_LOAD_SECONDS: list[float] = []
 """Wall time of each ``_load_model_from_hf`` call ``engine_on_cpu`` made in this process."""

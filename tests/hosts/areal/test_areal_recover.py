@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 
 import pytest
+from areal_cpu import ACTIVATION
+from pyrun import started_with
 
 from megastart.launch import RankPool
 
@@ -23,9 +25,10 @@ def checkpoint(tmp_path_factory) -> str:
 
 
 def pool(env: dict[str, str]) -> RankPool:
-    return RankPool(
-        2, timeout_s=300, env={"PYTHONPATH": os.pathsep.join(__import__("sys").path), **env}
-    )
+    with started_with(ACTIVATION):
+        return RankPool(
+            2, timeout_s=300, env={"PYTHONPATH": os.pathsep.join(__import__("sys").path), **env}
+        )
 
 
 def _recover_then_step(checkpoint: str, fileroot: str) -> dict:

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from areal_cpu import ACTIVATION
+from pyrun import started_with
 
 from megastart.launch import RankPool
 
@@ -25,8 +27,9 @@ def checkpoint(tmp_path_factory) -> str:
 
 
 def pool(env: dict[str, str]) -> RankPool:
-    base = {"PYTHONPATH": os.pathsep.join(sys.path), "MEGASTART_BLOCKLIST": "comm_warmup"}
-    return RankPool(2, timeout_s=300, env={**base, **env})
+    with started_with(ACTIVATION):
+        base = {"PYTHONPATH": os.pathsep.join(sys.path), "MEGASTART_BLOCKLIST": "comm_warmup"}
+        return RankPool(2, timeout_s=300, env={**base, **env})
 
 
 def _first_life(checkpoint: str, fileroot: str) -> dict:

@@ -7,6 +7,8 @@ import os
 import sys
 
 import pytest
+from areal_cpu import ACTIVATION
+from pyrun import started_with
 
 from megastart.launch import RankPool
 
@@ -19,8 +21,9 @@ def checkpoint(tmp_path_factory) -> str:
 
 
 def pool(env: dict[str, str]) -> RankPool:
-    base = {"PYTHONPATH": os.pathsep.join(sys.path), "MEGASTART_COMM_WARMUP_TIMEOUT_S": "30"}
-    return RankPool(2, timeout_s=300, env={**base, **env})
+    with started_with(ACTIVATION):
+        base = {"PYTHONPATH": os.pathsep.join(sys.path), "MEGASTART_COMM_WARMUP_TIMEOUT_S": "30"}
+        return RankPool(2, timeout_s=300, env={**base, **env})
 
 
 def _recover_next_to_update_group(checkpoint: str, fileroot: str, colocated: bool) -> dict:

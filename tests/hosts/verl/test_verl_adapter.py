@@ -15,6 +15,15 @@ from megastart.engines.verl import VerlAdapter
 WRAPPED = ("_build_megatron_module", "load_checkpoint", "forward_backward_batch")
 
 
+@pytest.fixture(autouse=True)
+def without_the_installed_adapter():
+    """On verl >= 0.9, ``import verl`` activated megastart in this process and its adapter
+    attached when the engine module was imported; these tests attach their own."""
+    from megastart.engines import detach_all
+
+    detach_all()
+
+
 def methods() -> dict:
     return {name: transformer_impl.MegatronEngine.__dict__[name] for name in WRAPPED}
 

@@ -1,6 +1,7 @@
-"""``+megastart=on`` in verl's real ``ppo_trainer`` config: the group is found through
-megastart's Hydra SearchPathPlugin, and the activation and the settings reach
-``ray_kwargs.ray_init.runtime_env.env_vars`` as plain strings."""
+"""``+megastart=on|off`` in verl's real ``ppo_trainer`` config: the group is found
+through megastart's Hydra SearchPathPlugin, and the settings reach
+``ray_kwargs.ray_init.runtime_env.env_vars`` as plain strings (verl 0.9 needs no
+activation variable there: it loads megastart from ``verl.plugins``)."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def test_megastart_on_adds_the_section_and_the_callback():
     assert target == f"{ExportToRayWorkers.__module__}.{ExportToRayWorkers.__qualname__}"
 
 
-def test_export_writes_activation_and_settings_as_plain_strings():
+def test_export_writes_the_settings_as_plain_strings_and_no_activation():
     config = compose_ppo_trainer(
         "model_engine=megatron",
         "+megastart=on",
@@ -65,38 +66,35 @@ def test_export_writes_activation_and_settings_as_plain_strings():
     written = env_vars(config)
     assert float(written.pop("MEGASTART_RANK0_LOADER_BUCKET_MB")) == 64
     assert written == {
-        "VERL_USE_EXTERNAL_MODULES": "megastart.autoload",
         "MEGASTART_ENABLED": "true",
         "MEGASTART_BLOCKLIST": "comm_warmup",
         "MEGASTART_TRACE": "false",
     }
 
 
-def test_user_external_modules_from_the_command_line_survive():
+def test_user_external_modules_are_left_alone():
     config = compose_ppo_trainer(
         "model_engine=megatron",
         f"+{ENV_VARS}.VERL_USE_EXTERNAL_MODULES='my.mod,other.mod'",
         "+megastart=on",
     )
     export_to_ray_workers(config)
-    assert env_vars(config)["VERL_USE_EXTERNAL_MODULES"] == "my.mod,other.mod,megastart.autoload"
+    assert env_vars(config)["VERL_USE_EXTERNAL_MODULES"] == "my.mod,other.mod"
 
 
-def test_user_external_modules_from_the_shell_survive(monkeypatch):
-    monkeypatch.setenv("VERL_USE_EXTERNAL_MODULES", "shell.mod")
-    config = compose_ppo_trainer("model_engine=megatron", "+megastart=on")
+def test_megastart_off_adds_the_section_and_carries_it_to_the_workers():
+    config = compose_ppo_trainer("model_engine=megatron", "+megastart=off")
+    assert config.megastart.enabled is False
     export_to_ray_workers(config)
-    assert env_vars(config)["VERL_USE_EXTERNAL_MODULES"] == "shell.mod,megastart.autoload"
+    assert env_vars(config)["MEGASTART_ENABLED"] == "false"
 
 
-def test_autoload_listed_by_the_user_is_not_repeated():
+def test_plugin_filter_that_leaves_megastart_out_is_warned_about(caplog):
     config = compose_ppo_trainer(
-        "model_engine=megatron",
-        f"+{ENV_VARS}.VERL_USE_EXTERNAL_MODULES='megastart.autoload,my.mod'",
-        "+megastart=on",
+        "model_engine=megatron", f"+{ENV_VARS}.VERL_USE_EXTERNAL_PLUGINS=none", "+megastart=on"
     )
     export_to_ray_workers(config)
-    assert env_vars(config)["VERL_USE_EXTERNAL_MODULES"] == "megastart.autoload,my.mod"
+    assert "VERL_USE_EXTERNAL_PLUGINS=none leaves megastart out of verl.plugins" in caplog.text
 
 
 def test_disabling_is_carried_to_the_workers():

@@ -1,5 +1,5 @@
 """verl's own ``MegatronEngine`` code, with the adapter attached through the real
-activation (``VERL_USE_EXTERNAL_MODULES=megastart.autoload``), on CPU over gloo at
+activation (verl 0.9: installed = on; verl 0.7: the variable), on CPU over gloo at
 TP=2: ``on_model_load`` dispatches from inside verl's ``_build_megatron_module``, a
 ``LoadReport`` skips verl's loader, ``None`` falls through to it."""
 
@@ -11,6 +11,8 @@ import pytest
 import torch
 import verl_cpu
 from packaging.version import Version
+from pyrun import started_with
+from verl_configs import ACTIVATION
 
 from megastart.launch import RankPool
 
@@ -26,9 +28,7 @@ def checkpoint(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def pool():
-    with RankPool(
-        verl_cpu.TP, timeout_s=400, env={"VERL_USE_EXTERNAL_MODULES": "megastart.autoload"}
-    ) as pool:
+    with started_with(ACTIVATION), RankPool(verl_cpu.TP, timeout_s=400) as pool:
         yield pool
 
 

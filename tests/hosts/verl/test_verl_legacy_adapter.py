@@ -110,11 +110,12 @@ def test_unsupported_verl_version_is_refused_with_the_version(caplog):
     assert methods() == originals
 
 
-def test_status_shows_both_verl_adapters_compatible_with_verl_0_7():
+def test_status_shows_every_verl_adapter_compatible_with_verl_0_7():
     from megastart.status import collect
 
     engines = {e["name"]: e for e in collect()["engines"] if e["host"] == "verl"}
     assert engines.keys() == {
+        "verl.trainer.main_ppo",
         "verl.workers.engine.megatron.transformer_impl",
         "verl.workers.megatron_workers",
     }

@@ -1,5 +1,5 @@
 """verl 0.7's own legacy Megatron workers, with the adapter attached through the real
-activation (``VERL_USE_EXTERNAL_MODULES=megastart.autoload``), on CPU over gloo at
+activation (``AUTOWRAPT_BOOTSTRAP=megastart.bootstrap``, verl 0.7's route), on CPU over gloo at
 TP=2: ``on_model_load`` dispatches from inside ``_build_model_optimizer`` in both of
 its HF branches (verl's legacy ``load_megatron_gptmodel_weights`` and mbridge), a
 ``LoadReport`` skips verl's loader, ``None`` falls through to it, and
@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import verl_cpu
 import verl_legacy_cpu
+from pyrun import started_with
+from verl_configs import ACTIVATION
 
 from megastart.launch import RankPool
 
@@ -29,9 +31,7 @@ def checkpoint(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def pool():
-    with RankPool(
-        verl_legacy_cpu.TP, timeout_s=400, env={"VERL_USE_EXTERNAL_MODULES": "megastart.autoload"}
-    ) as pool:
+    with started_with(ACTIVATION), RankPool(verl_legacy_cpu.TP, timeout_s=400) as pool:
         yield pool
 
 

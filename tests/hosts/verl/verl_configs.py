@@ -1,14 +1,24 @@
-"""Compose verl's own ``ppo_trainer`` config, the way ``verl.trainer.main_ppo`` does."""
+"""Compose verl's own ``ppo_trainer`` config, the way ``verl.trainer.main_ppo`` does;
+start worker processes the way the installed verl's users activate megastart."""
 
 from __future__ import annotations
 
+from importlib import metadata
 from pathlib import Path
 
 import verl
 from omegaconf import DictConfig
+from packaging.version import Version
 
 VERL_CONFIG_DIR = str(Path(verl.__file__).parent / "trainer" / "config")
 ENV_VARS = "ray_kwargs.ray_init.runtime_env.env_vars"
+
+HAS_PLUGIN_GROUP = Version(metadata.version("verl")) >= Version("0.9")
+"""verl >= 0.9 loads ``verl.plugins`` at ``import verl``: installed = on."""
+
+ACTIVATION = {} if HAS_PLUGIN_GROUP else {"AUTOWRAPT_BOOTSTRAP": "megastart.bootstrap"}
+"""What a user puts in the workers' environment to activate megastart on this verl
+(start rank pools inside ``pyrun.started_with(ACTIVATION)``)."""
 
 
 def compose_ppo_trainer(*overrides: str) -> DictConfig:
