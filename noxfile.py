@@ -58,8 +58,7 @@ def megatron(session: nox.Session, core: str) -> None:
     """The loader's logits and the warmup's group table on one megatron-core release.
 
     0.17 and later declare Python >= 3.12 and install on 3.11 without their CUDA
-    requirements (numpy below 2.5, which they need on 3.11, and triton, which they
-    import).
+    requirements, with numpy below 2.5 and triton, which they import.
     """
     session.install(TORCH)
     session.install("--ignore-requires-python", f"megatron-core=={core}", "numpy<2.5", "triton")
@@ -88,10 +87,10 @@ def verl(session: nox.Session) -> None:
 
     mbridge (``vanilla_mbridge: True``) first, on megatron-core 0.16.1: mbridge
     0.15.1 builds models with ``ModelType.encoder_and_decoder``, which megatron-core
-    0.17 removed. Then verl's default, Megatron-Bridge, on megatron-core 0.19.2 in
-    the same environment (only megatron-core changes): megatron-core and
-    megatron-bridge declare Python >= 3.12 and go in without their CUDA
-    requirements. verl without extras (each extra pins a CUDA torch), plus what its
+    0.17 removed. Then verl's default, Megatron-Bridge, in the same environment with
+    megatron-core 0.19.2 and megatron-bridge added (both declare Python >= 3.12 and
+    go in without their CUDA requirements); ``posargs`` replace the first step's
+    tests. verl without extras (each extra pins a CUDA torch), plus what its
     Megatron engine imports. megastart goes in as a wheel, not editable: Hydra 1.3
     finds SearchPathPlugins by scanning the ``hydra_plugins`` namespace, which
     setuptools' editable finder hides.
