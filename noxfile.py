@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import nox
 
-nox.options.sessions = ["lint", "tests", "verl", "verl07", "areal"]
+nox.options.sessions = ["lint", "tests", "megatron", "verl", "verl07", "areal"]
 nox.options.reuse_existing_virtualenvs = True
 
 PYTHON = "3.11"
@@ -39,22 +39,69 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", *(session.posargs or ["tests", "--ignore=tests/hosts", "-q"]))
 
 
+MEGATRON_CORES = ("0.17.1", "0.18.2", "0.19.2")
+"""The megatron-core releases after the ``tests`` session's 0.16.1 (which runs the whole
+suite); keep in step with ``megastart.status.MEGATRON_CORE_TESTED`` and the README."""
+MEGATRON_SUBSET = (
+    # one dense architecture at TP2 x PP2, one MoE at EP2: the parameter names the
+    # loader maps come from megatron-core's layer specs
+    "tests/test_loader_logits.py::test_logits_match_transformers[qwen3-tp2_pp2-untied]",
+    "tests/test_loader_moe.py::test_logits_match_transformers[qwen3_moe-ep2]",
+    # the warmup's group table: parallel_state getters and the pipeline P2P path
+    "tests/test_warmup.py",
+)
+
+
+@nox.session(python=PYTHON)
+@nox.parametrize("core", MEGATRON_CORES)
+def megatron(session: nox.Session, core: str) -> None:
+    """The loader's logits and the warmup's group table on one megatron-core release.
+
+    0.17 and later declare Python >= 3.12 and install on 3.11 without their CUDA
+    requirements, with numpy below 2.5 and triton, which they import.
+    """
+    session.install(TORCH)
+    session.install("--ignore-requires-python", f"megatron-core=={core}", "numpy<2.5", "triton")
+    session.install(TORCH, "-e", ".", "pytest", "transformers")  # what the subset imports
+    session.run("pytest", *(session.posargs or [*MEGATRON_SUBSET, "-q"]))
+
+
+MODELOPT_NEEDS = ("ninja", "nvidia-ml-py", "pulp", "scipy")
+"""megatron-bridge imports nvidia-modelopt, which imports these."""
+
 VERL = "verl==0.9.1"
+VERL_BRIDGE = (
+    # what `pip install "verl[megatron]==0.9.1"` gives on Python 3.12: the newest
+    # megatron-core, megatron-bridge 0.5.2 and nvidia-modelopt 0.44.0. 0.5.2 is not
+    # on the index; 0.5.1 is the nearest release, and needs megatron-core >= 0.18
+    # (megatron.core._rank_utils.safe_get_world_size)
+    *("megatron-core==0.19.2", "megatron-bridge==0.5.1", "nvidia-modelopt==0.44.0"),
+)
+VERL_BRIDGE_TESTS = ("tests/hosts/verl/test_verl_engine_cpu.py", "-k", "megatron_bridge")
 
 
 @nox.session(python=PYTHON)
 def verl(session: nox.Session) -> None:
-    """The verl adapter against the real verl (CPU, gloo, a local Ray cluster).
+    """The verl adapter against the real verl (CPU, gloo, a local Ray cluster), on both
+    of verl 0.9's HF-load branches, one environment after the other.
 
-    verl without extras (each extra pins a CUDA torch), plus what its Megatron
-    engine imports. megastart goes in as a wheel, not editable: Hydra 1.3 finds
-    SearchPathPlugins by scanning the ``hydra_plugins`` namespace, which
+    mbridge (``vanilla_mbridge: True``) first, on megatron-core 0.16.1: mbridge
+    0.15.1 builds models with ``ModelType.encoder_and_decoder``, which megatron-core
+    0.17 removed. Then verl's default, Megatron-Bridge, in the same environment with
+    megatron-core 0.19.2 and megatron-bridge added (both declare Python >= 3.12 and
+    go in without their CUDA requirements); ``posargs`` replace the first step's
+    tests. verl without extras (each extra pins a CUDA torch), plus what its
+    Megatron engine imports. megastart goes in as a wheel, not editable: Hydra 1.3
+    finds SearchPathPlugins by scanning the ``hydra_plugins`` namespace, which
     setuptools' editable finder hides.
     """
     session.install(TORCH)
-    session.install(VERL, MEGATRON, "uvicorn", "fastapi", "mbridge", "einops")
+    session.install(VERL, MEGATRON, "uvicorn", "fastapi", "mbridge", "einops", *MODELOPT_NEEDS)
     session.install(".[test,hydra]", "tests/fixtures/verl_probe")
     session.run("pytest", *(session.posargs or ["tests/hosts/verl", "-x", "-q"]))
+    session.install("--ignore-requires-python", "--no-deps", *VERL_BRIDGE)
+    session.install(TORCH, "numpy<2.5", "triton")
+    session.run("pytest", *VERL_BRIDGE_TESTS, "-x", "-q")
 
 
 VERL07 = "verl==0.7.1"
@@ -92,8 +139,7 @@ AREAL_NEEDS = (
     *("pyyaml", "hydra-core", "transformers==5.3.0", "ray", "numba", "pillow", "orjson"),
     *("einops", "aiofiles", "openai", "peft<=0.18.1", "mbridge", "datasets", "pybase64"),
     *("swanlab", "wandb", "tensorboardX", "tabulate", "trackio", "triton", "numpy<2.5"),
-    # megatron-bridge imports nvidia-modelopt, which imports these
-    *("ninja", "nvidia-ml-py", "pulp", "scipy"),
+    *MODELOPT_NEEDS,
 )
 
 

@@ -9,6 +9,13 @@ from typing import Any
 
 HELP = "show plugins, engine adapters, how each host activates megastart, and settings"
 
+MEGATRON_CORE_TESTED = "megatron-core>=0.16.1,<0.20"
+"""The megatron-core releases CI runs megastart on: 0.16.1 (the ``tests`` nox session),
+0.17.1, 0.18.2 and 0.19.2 (``megatron``). The loader's parameter names and the
+warmup's group table come from megatron-core's layer specs and ``parallel_state``
+getters, which change between releases; keep this, the noxfile and the README's
+table in step."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -62,6 +69,7 @@ def collect() -> dict[str, Any]:
         "plugins": plugins,
         "engines": engines,
         "activation": activation(engines),
+        "megatron_core": megatron_core_support(),
         "settings": settings.as_dict(),
     }
 
@@ -119,6 +127,26 @@ def activation(engines: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def megatron_core_support() -> dict[str, Any]:
+    """The installed megatron-core against :data:`MEGATRON_CORE_TESTED`, with a warning
+    when it is installed and outside that range (reads metadata only)."""
+    from megastart.engines.base import check_requirement
+
+    compat = check_requirement(MEGATRON_CORE_TESTED)
+    outside = compat.installed_version is not None and not compat.compatible
+    return {
+        "tested": MEGATRON_CORE_TESTED,
+        "installed_version": compat.installed_version,
+        "warning": (
+            f"megatron-core {compat.installed_version} is outside the tested range "
+            f"({MEGATRON_CORE_TESTED}): the loader's parameter names and the warmup's "
+            "process groups may not match it"
+            if outside
+            else None
+        ),
+    }
+
+
 def render(report: dict[str, Any]) -> str:
     lines = [
         f"megastart {report['version']} — {'enabled' if report['enabled'] else 'DISABLED'}",
@@ -143,6 +171,13 @@ def render(report: dict[str, Any]) -> str:
     if not report["engines"]:
         lines.append("  (none installed)")
     lines += ["", *render_activation(report["activation"])]
+    core = report["megatron_core"]
+    lines += [
+        "",
+        f"megatron-core: installed {core['installed_version'] or '-'}; tested {core['tested']}",
+    ]
+    if core["warning"]:
+        lines.append(f"  WARNING: {core['warning']}")
     lines += ["", "settings (value  <- source):"]
     for key, entry in report["settings"].items():
         if "source" in entry:

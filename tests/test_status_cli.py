@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+from importlib import metadata
 
+import pytest
 from pyrun import run_python
+
+from megastart.status import MEGATRON_CORE_TESTED
 
 STATUS = "import sys; from megastart.cli import main; sys.exit(main(sys.argv[1:] or {argv!r}))"
 
@@ -82,3 +86,27 @@ def test_status_shows_the_route_of_each_installed_host_and_the_shell_variable():
         "activation (AUTOWRAPT_BOOTSTRAP in this shell: 'other.patches,megastart.bootstrap': "
         "megastart activates in this shell's processes)" in text
     )
+
+
+@pytest.mark.parametrize("version", ["0.15.3", "0.20.0"])
+def test_status_warns_for_a_megatron_core_outside_the_tested_range(tmp_path, version):
+    # a distribution's metadata ahead of the installed one on the path, as pip writes it
+    dist_info = tmp_path / f"megatron_core-{version}.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: megatron-core\nVersion: {version}\n"
+    )
+    text = status("status", PYTHONPATH=str(tmp_path)).stdout
+    assert f"megatron-core: installed {version}; tested {MEGATRON_CORE_TESTED}" in text
+    assert (
+        f"WARNING: megatron-core {version} is outside the tested range ({MEGATRON_CORE_TESTED})"
+    ) in text
+
+
+def test_status_does_not_warn_for_the_tested_megatron_core():
+    out = json.loads(status("status", "--json").stdout)
+    assert out["megatron_core"] == {
+        "tested": MEGATRON_CORE_TESTED,
+        "installed_version": metadata.version("megatron-core"),
+        "warning": None,
+    }

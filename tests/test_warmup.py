@@ -291,11 +291,60 @@ def test_each_rank_warms_exactly_the_step_groups_and_operations(pools: Any, layo
         assert result["gpu_free"] == (None, None)  # CPU: no GPU reading
 
 
-def test_every_table_getter_exists_in_the_installed_megatron() -> None:
-    """On the tested megatron-core, no row of the table is skipped for lack of a getter."""
+def test_the_table_says_which_getters_the_installed_megatron_has() -> None:
+    """Every row whose ``megatron`` range holds the installed megatron-core finds its
+    getter with its arguments there, and no other row does."""
+    import inspect
+    from importlib import metadata
+
     from megatron.core import parallel_state
+    from packaging.specifiers import SpecifierSet
 
     from megastart.warmup.groups import TABLE
 
-    missing = [row.getter for row in TABLE if not hasattr(parallel_state, row.getter)]
-    assert missing == []
+    installed = metadata.version("megatron-core")
+
+    def has(row: Any) -> bool:
+        getter = getattr(parallel_state, row.getter, None)
+        if getter is None:
+            return False
+        parameters = inspect.signature(getter).parameters
+        present = row.present is None or hasattr(parallel_state, row.present)
+        return present and all(name in parameters for name, _ in row.kwargs)
+
+    wrong = [
+        (row.name, row.megatron)
+        for row in TABLE
+        if has(row) != SpecifierSet(row.megatron).contains(installed)
+    ]
+    assert wrong == [], f"megatron-core {installed}"
+
+
+def groups_with_weight_remat() -> str:
+    from megatron.core import parallel_state
+
+    from megastart.warmup.groups import step_groups
+
+    parallel_state.initialize_model_parallel(gtp_remat_size=2)
+    try:
+        step_groups(parallel_state)
+    except ValueError as e:
+        return str(e)
+    finally:
+        parallel_state.destroy_model_parallel()
+    return "no error"
+
+
+def megatron_has_weight_remat() -> bool:
+    from megatron.core import parallel_state
+
+    return hasattr(parallel_state, "get_gtp_weight_remat_world_size")
+
+
+@pytest.mark.skipif(
+    not megatron_has_weight_remat(), reason="weight rematerialisation is new in megatron-core 0.19"
+)
+def test_weight_rematerialisation_is_refused_with_the_group_size(pools: Any) -> None:
+    for message in pools(2).run(groups_with_weight_remat):
+        assert "parallel_state.get_gtp_weight_remat_world_size() is 2" in message
+        assert "MEGASTART_BLOCKLIST=comm_warmup" in message

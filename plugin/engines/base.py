@@ -44,6 +44,26 @@ class Compatibility:
     reason: str
 
 
+def check_requirement(requirement: str) -> Compatibility:
+    """Whether the installed distribution meets ``requirement`` (reads metadata only)."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.version import InvalidVersion, Version
+
+    req = Requirement(requirement)
+    try:
+        installed = metadata.version(req.name)
+    except metadata.PackageNotFoundError:
+        return Compatibility(None, False, f"{req.name} is not installed")
+    try:
+        ok = req.specifier.contains(Version(installed), prereleases=True)
+    except InvalidVersion:
+        ok = False
+    reason = "" if ok else f"requested {requirement} but found {req.name} {installed}"
+    return Compatibility(installed, ok, reason)
+
+
 class EngineAdapter(ABC):
     """Attaches megastart's hooks to one host module without editing the host."""
 
@@ -68,22 +88,7 @@ class EngineAdapter(ABC):
 
     def compatibility(self) -> Compatibility:
         """Whether the installed host version is supported (reads metadata only)."""
-        from importlib import metadata
-
-        from packaging.requirements import Requirement
-        from packaging.version import InvalidVersion, Version
-
-        req = Requirement(self.requirement)
-        try:
-            installed = metadata.version(req.name)
-        except metadata.PackageNotFoundError:
-            return Compatibility(None, False, f"{req.name} is not installed")
-        try:
-            ok = req.specifier.contains(Version(installed), prereleases=True)
-        except InvalidVersion:
-            ok = False
-        reason = "" if ok else f"requested {self.requirement} but found {req.name} {installed}"
-        return Compatibility(installed, ok, reason)
+        return check_requirement(self.requirement)
 
     def missing_attributes(self, module: ModuleType) -> list[str]:
         """The wrapped attributes (or their parameters) the host module lacks."""

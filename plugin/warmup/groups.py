@@ -10,7 +10,12 @@ step issues there and why. Read against megatron-core 0.16: ``tensor_parallel``
 (mappings, layers, cross entropy), ``distributed`` (DDP buckets,
 ``finalize_model_grads``), ``optimizer`` (``clip_grads``, the distributed
 optimizer), ``transformer/moe/token_dispatcher.py`` and
-``pipeline_parallel/p2p_communication.py``.
+``pipeline_parallel/p2p_communication.py``; and checked against 0.17.1, 0.18.2
+and 0.19.2, where the rows hold unchanged except as each row's ``megatron``
+field says. ``_p2p_ops`` is the same in all four. 0.19 adds generalised tensor
+parallelism with weight rematerialisation (``gtp_weight_remat_size``); with it
+at its default of 1 its groups are the data-parallel ones the table names, and
+with more :func:`step_groups` refuses (its operations are not in the table).
 
 Groups of one rank count too where the step calls collectives on them without
 a size check (DDP's gradient sync, the grad norm, vocab-parallel cross
@@ -73,6 +78,10 @@ class Row:
     has no size check there), and NCCL creates a communicator for it: about
     390 MiB of device memory each with NCCL 2.28 on an H200, measured. Warmed
     with one small message per operation (a single rank has nothing to connect)."""
+    megatron: str = ">=0.16"
+    """The tested megatron-core releases whose ``parallel_state`` has this getter with
+    these arguments (a version specifier, checked by the tests on each release CI
+    runs). On any release, a row whose getter or arguments are missing is skipped."""
 
 
 _GRADS = (
@@ -102,8 +111,9 @@ TABLE: tuple[Row, ...] = (
         "unless num_distributed_optimizer_instances > 1)", at_size_one=True),
     Row("dp_cp_ag", "get_data_parallel_group",
         (("with_context_parallel", True), ("independent_all_gather", True)), (Op(ALL_GATHER),),
-        "parameter all-gather on its own communicator, when Megatron made one",
-        present="has_separate_all_gather_group"),
+        "parameter all-gather on its own communicator, when Megatron made one (from 0.18 "
+        "Megatron-FSDP's, made by create_all_gather_groups and kept out of parallel_state)",
+        present="has_separate_all_gather_group", megatron=">=0.16,<0.18"),
     Row("dp", "get_data_parallel_group", (), (Op(ALL_REDUCE, scalar=True),),
         "hosts (verl, AReaL) average losses and metrics over data parallel"),
     Row("pp", "get_pipeline_model_parallel_group", (), (Op(ALL_REDUCE), Op(PIPELINE_P2P)),
@@ -199,6 +209,7 @@ def step_groups(
     """
     import torch.distributed as dist
 
+    _refuse_weight_remat(parallel_state)
     rank = dist.get_rank()
     found: dict[int, tuple[int, str, Any, list[Op]]] = {}
     for index, row in enumerate(TABLE):
@@ -230,6 +241,19 @@ def step_groups(
             )
         groups.append((tuple(sorted(ranks)), index, WarmGroup(name, group, ranks, tuple(ops))))
     return [warm for *_, warm in sorted(groups, key=lambda item: item[:2])]
+
+
+def _refuse_weight_remat(parallel_state: ModuleType) -> None:
+    """megatron-core 0.19's weight rematerialisation (GTP) above size 1 adds groups and
+    operations the table does not have; warming only the others would leave them cold."""
+    for getter in ("get_gtp_weight_remat_world_size", "get_expert_gtp_weight_remat_world_size"):
+        size = getattr(parallel_state, getter, lambda: 1)()
+        if size > 1:
+            raise ValueError(
+                f"comm_warmup: parallel_state.{getter}() is {size}; comm_warmup does not "
+                "know the operations of megatron-core's weight rematerialisation (GTP). "
+                "Block it with MEGASTART_BLOCKLIST=comm_warmup."
+            )
 
 
 def _holds(condition: str | None, model_config: Any, ddp_config: Any) -> bool:

@@ -46,9 +46,15 @@ def python_path() -> str:
 
 def import_megatron_engine() -> ModuleType:
     """``areal.engine.megatron_engine``, imported with megatron-core kept off TE paths."""
+    return import_with_te_stub("areal.engine.megatron_engine")
+
+
+def import_with_te_stub(module: str) -> ModuleType:
+    """``module`` (one that imports megatron-bridge), imported with the stub on the path
+    and megatron-core kept off TE paths; verl's Megatron-Bridge tests use it too."""
     if STUBS not in sys.path:
         sys.path.insert(0, STUBS)
-    if "areal.engine.megatron_engine" not in sys.modules:
+    if module not in sys.modules:
         blocking = "transformer_engine" not in sys.modules
         if blocking:
             sys.modules["transformer_engine"] = None  # type: ignore[assignment]
@@ -58,4 +64,4 @@ def import_megatron_engine() -> ModuleType:
         finally:
             if blocking:
                 del sys.modules["transformer_engine"]
-    return import_module("areal.engine.megatron_engine")
+    return import_module(module)

@@ -1,14 +1,19 @@
 """verl's own ``MegatronEngine`` code, with the adapter attached through the real
 activation (verl 0.9: installed = on; verl 0.7: the variable), on CPU over gloo at
 TP=2: ``on_model_load`` dispatches from inside verl's ``_build_megatron_module``, a
-``LoadReport`` skips verl's loader, ``None`` falls through to it."""
+``LoadReport`` skips verl's loader, ``None`` falls through to it. On both of verl
+0.9's HF-load branches: mbridge's ``load_weights`` (``vanilla_mbridge: True``) and,
+where megatron-bridge is installed, verl's default, Megatron-Bridge's
+``load_hf_weights``."""
 
 from __future__ import annotations
 
+from functools import partial
 from importlib import metadata
 
 import pytest
 import torch
+import verl_bridge_cpu
 import verl_cpu
 from packaging.version import Version
 from pyrun import started_with
@@ -17,6 +22,20 @@ from verl_configs import ACTIVATION
 from megastart.launch import RankPool
 
 PROBE_ONLY = {"MEGASTART_BLOCKLIST": "rank0_loader,comm_warmup"}
+
+
+def why_megatron_bridge_cannot_run() -> str | None:
+    try:
+        metadata.version("megatron-bridge")
+    except metadata.PackageNotFoundError:
+        return "needs megatron-bridge (the verl nox session's second environment)"
+    core = metadata.version("megatron-core")
+    if Version(core) < Version("0.18"):
+        return f"megatron-bridge 0.5 needs megatron-core >= 0.18; {core} is installed"
+    return None
+
+
+NO_MEGATRON_BRIDGE = why_megatron_bridge_cannot_run()
 
 
 @pytest.fixture(scope="module")
@@ -162,3 +181,15 @@ def test_a_critic_takes_a_reward_checkpoints_score_head(pool, reward_checkpoint)
     )
     for out in ranks:
         verl_cpu.check_critic_from_reward_checkpoint(out, reward_checkpoint)
+
+
+@pytest.mark.skipif(NO_MEGATRON_BRIDGE is not None, reason=str(NO_MEGATRON_BRIDGE))
+@pytest.mark.parametrize("role", ["actor", "ref"])
+def test_rank0_loader_loads_what_megatron_bridge_loads_on_verls_default_engine(
+    pool, checkpoint, role
+):
+    # verl's default engine config: Megatron-Bridge's provider builds the model, the
+    # adapter shadows load_hf_weights on the engine's bridge; with rank0_loader
+    # blocked, Megatron-Bridge's own load_hf_weights fills the same model
+    weights = partial(verl_bridge_cpu.loaded_weights, role=role)
+    verl_cpu.check_same_weights_one_reader(pool.run(verl_cpu.loaders_on_rank, checkpoint, weights))

@@ -1,4 +1,5 @@
-"""Names megatron-bridge's LoRA modules reference at import time; none can be built."""
+"""Names megatron-bridge references at import time (its LoRA modules; 0.5's
+``gpt_provider`` inspects ``GroupedLinear``); none can be built."""
 
 import torch
 
@@ -30,3 +31,7 @@ class _Ops:
 
 
 ops = _Ops()
+
+
+class GroupedLinear(_Unavailable):
+    pass
