@@ -16,7 +16,8 @@ once if it ran before), so the host's classes are wrapped when ``import
 host.module`` returns.
 
 This module is imported at interpreter start-up wherever the variable is set:
-it imports nothing at module level.
+at module level it imports only ``threading`` and ``typing`` (wrapt, which
+autowrapt has imported by then, imports both).
 """
 
 from __future__ import annotations
