@@ -28,7 +28,7 @@ def why_megatron_bridge_cannot_run() -> str | None:
     try:
         metadata.version("megatron-bridge")
     except metadata.PackageNotFoundError:
-        return "needs megatron-bridge (the verl nox session's second environment)"
+        return "needs megatron-bridge (the verl nox session's second step installs it)"
     core = metadata.version("megatron-core")
     if Version(core) < Version("0.18"):
         return f"megatron-bridge 0.5 needs megatron-core >= 0.18; {core} is installed"
