@@ -13,6 +13,7 @@ import os
 import sys
 from importlib import import_module
 from types import ModuleType
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STUBS = os.path.join(HERE, "stubs")
@@ -36,7 +37,18 @@ by importing AReaL and listing the new modules whose source names it)."""
 
 ACTIVATION = {"AUTOWRAPT_BOOTSTRAP": "megastart.bootstrap"}
 """What activates megastart in an AReaL worker: start rank pools inside
-``pyrun.started_with(ACTIVATION)``."""
+``pyrun.started_with(ACTIVATION)`` (:func:`activated_pool` does)."""
+
+
+def activated_pool(env: dict[str, str]) -> Any:
+    """Two ranks that import this test directory's modules, with megastart activated
+    from start-up as in AReaL's workers, and ``env`` in their environment."""
+    from pyrun import started_with
+
+    from megastart.launch import RankPool
+
+    with started_with(ACTIVATION):
+        return RankPool(2, timeout_s=300, env={"PYTHONPATH": os.pathsep.join(sys.path), **env})
 
 
 def python_path() -> str:

@@ -5,15 +5,12 @@ AReaL saved one (2 ranks, TP2, real Megatron-core chunks over gloo)."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import sys
 
 import pytest
+from areal_cpu import activated_pool
 
-from megastart.launch import RankPool
-
-ENV = {"PYTHONPATH": os.pathsep.join(sys.path), "MEGASTART_BLOCKLIST": "comm_warmup"}
+ENV = {"MEGASTART_BLOCKLIST": "comm_warmup"}
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +61,7 @@ def test_a_critic_loads_its_backbone_through_on_model_load_and_keeps_areals_valu
     from megastart_areal_probe import events
 
     log = tmp_path / "events.jsonl"
-    with RankPool(2, timeout_s=300, env={**ENV, "AREAL_PROBE_LOG": str(log)}) as ranks:
+    with activated_pool({**ENV, "AREAL_PROBE_LOG": str(log)}) as ranks:
         results = ranks.run(_critic_values, checkpoint)
     hidden, _ = reference_hidden_states(checkpoint)
     for rank, out in enumerate(results):
@@ -81,10 +78,10 @@ def test_a_critic_takes_the_value_head_areal_saved_next_to_the_checkpoint(checkp
 
     saved = tmp_path / "critic"
     shutil.copytree(checkpoint, saved)
-    with RankPool(2, timeout_s=300, env=ENV) as ranks:
+    with activated_pool(ENV) as ranks:
         ranks.run(_save_value_head, checkpoint, str(saved))
     assert (saved / "value_head.pt").is_file()
-    with RankPool(2, timeout_s=300, env=ENV) as ranks:
+    with activated_pool(ENV) as ranks:
         results = ranks.run(_critic_values, str(saved))
     for out in results:
         assert torch.all(out["after"] == 0.5)

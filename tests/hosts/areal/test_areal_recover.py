@@ -3,13 +3,8 @@ Megatron-core GPT chunks over gloo (2 ranks, tensor parallel 2)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
-from areal_cpu import ACTIVATION
-from pyrun import started_with
-
-from megastart.launch import RankPool
+from areal_cpu import activated_pool
 
 PROBE_ONLY = {
     "MEGASTART_BLOCKLIST": "rank0_loader,comm_warmup",
@@ -22,13 +17,6 @@ def checkpoint(tmp_path_factory) -> str:
     from megastart.demo.checkpoints import make_checkpoint
 
     return str(make_checkpoint("llama", tmp_path_factory.mktemp("hf")))
-
-
-def pool(env: dict[str, str]) -> RankPool:
-    with started_with(ACTIVATION):
-        return RankPool(
-            2, timeout_s=300, env={"PYTHONPATH": os.pathsep.join(__import__("sys").path), **env}
-        )
 
 
 def _recover_then_step(checkpoint: str, fileroot: str) -> dict:
@@ -63,7 +51,7 @@ def test_post_recover_load_runs_after_the_checkpoint_load_and_before_update_weig
     from megastart_areal_probe import events
 
     log = tmp_path / "events.jsonl"
-    with pool({**PROBE_ONLY, "AREAL_PROBE_LOG": str(log)}) as ranks:
+    with activated_pool({**PROBE_ONLY, "AREAL_PROBE_LOG": str(log)}) as ranks:
         results = ranks.run(_recover_then_step, checkpoint, str(tmp_path / "fileroot"))
     for rank, out in enumerate(results):
         assert out["global_step"] == 0
@@ -123,7 +111,7 @@ def _retried_calls(checkpoint: str, fileroot: str) -> dict:
 
 def test_a_retried_rpc_reraises_the_failed_hook_before_any_collective(checkpoint, tmp_path):
     env = {**PROBE_ONLY, "AREAL_PROBE_FAIL": "post_recover_load"}
-    with pool(env) as ranks:
+    with activated_pool(env) as ranks:
         results = ranks.run(_retried_calls, checkpoint, str(tmp_path / "fileroot"))
     for out in results:
         assert out["first"] == "areal_probe: post_recover_load failed on purpose"

@@ -4,13 +4,10 @@ first step. Prints what the skip saves (``pytest -s``)."""
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
 import pytest
-from areal_cpu import ACTIVATION
-from pyrun import started_with
+from areal_cpu import activated_pool
 
 from megastart.launch import RankPool
 
@@ -27,9 +24,7 @@ def checkpoint(tmp_path_factory) -> str:
 
 
 def pool(env: dict[str, str]) -> RankPool:
-    with started_with(ACTIVATION):
-        base = {"PYTHONPATH": os.pathsep.join(sys.path), "MEGASTART_BLOCKLIST": "comm_warmup"}
-        return RankPool(2, timeout_s=300, env={**base, **env})
+    return activated_pool({"MEGASTART_BLOCKLIST": "comm_warmup", **env})
 
 
 def _first_life(checkpoint: str, fileroot: str) -> dict:
