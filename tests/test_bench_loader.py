@@ -105,3 +105,34 @@ def test_bytes_read_follow_each_strategys_io_pattern(
     assert read["stage_reader"] == read["megastart"]
     # every rank reads its TP slices: each sharded tensor once per stage, the norms twice.
     assert read["megastart"] <= read["mmap_slices"] < 1.1 * read["megastart"]
+
+
+def test_two_simulated_nodes_send_the_second_only_what_it_needs(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """TP2 x PP2 on two nodes of two ranks: node 1 holds stage 1, so less than the
+    checkpoint crosses between the nodes, and the weights are the same as mmap_slices'."""
+    out = tmp_path_factory.mktemp("nodes")
+    capture = out / "stdout.txt"
+    with capture.open("w") as stdout, contextlib.redirect_stdout(stdout):
+        code = main(
+            [
+                "bench",
+                "loader",
+                "--ranks=4",
+                "--tp=2",
+                "--pp=2",
+                "--ranks-per-node=2",
+                "--size-gb=0.005",
+                "--strategies=megastart,mmap_slices",
+                "--page-cache=warm",
+                f"--workdir={out}",
+                f"--json={out / 'bench.json'}",
+            ]
+        )
+    assert code == 0, capture.read_text()
+    results = json.loads((out / "bench.json").read_text())
+    between = results["strategies"]["megastart"]["bytes_between_nodes"]
+    assert 0 < between < results["checkpoint_bytes"]
+    assert results["strategies"]["mmap_slices"]["weights_match_megastart"]
+    assert "2 simulated nodes of 2 ranks" in capture.read_text()

@@ -3,8 +3,9 @@
 1. metadata: rank 0 reads ``config.json`` and the safetensors headers, broadcasts them;
 2. plan: every rank maps its parameters to HF tensors and checks shapes; the
    demands are all-gathered and every rank computes the same buckets;
-3. stream: each reader broadcasts its group's buckets, every rank copies its
-   shards into its parameters;
+3. stream: each reader reads its group's buckets once; each crosses to every
+   other node that needs it once, and every rank copies its shards out of its
+   node's shared memory;
 4. verify: every element of every local parameter was written exactly once.
 
 A failure in any phase, on any rank, is raised on every rank (``all_or_none``),
@@ -23,15 +24,10 @@ from megastart.distributed import OwnGroups, all_or_none, broadcast_or_raise
 from megastart.loader.checkpoint import CheckpointMeta, read_metadata
 from megastart.loader.model import UnsupportedArchitecture, local_needs, mapping_table
 from megastart.loader.plan import Demand, PlanError, build_plan, receiver_sets, unused_tensors
+from megastart.loader.route import open_route
 from megastart.loader.settings import Rank0LoaderSettings
 from megastart.loader.stream import Stream
-from megastart.loader.transport import (
-    Channel,
-    node_key,
-    open_data_groups,
-    open_receiver_groups,
-    reader_groups,
-)
+from megastart.loader.transport import node_key, reader_groups
 from megastart.loader.verify import Coverage
 from megastart.records import LoadReport
 
@@ -142,30 +138,17 @@ def _load(
         plan = build_plan(
             [by_rank[r].demands for r in group], meta, bucket_bytes=int(settings.bucket_mb * 2**20)
         )
-        every_receiver_set = sorted(
-            {
-                tuple(members[i] for i in positions)
-                for members in groups
-                for positions in receiver_sets([by_rank[r].demands for r in members])
-                if len(positions) < len(members)  # the whole reader group has its data group
-            }
-        )
+        sets = [receiver_sets([by_rank[r].demands for r in members]) for members in groups]
         backend = _backend(settings.transport, {r.device for r in by_rank})
     if unused and rank == 0:
         log.warning("megastart: %s", _unused_message(unused, checkpoint, strict=False))
 
-    # One gloo reader group can send over the control group: one group fewer to connect.
-    single_gloo = backend == "gloo" and len(groups) == 1
-    data_group = control if single_gloo else open_data_groups(groups, own, backend=backend)
-    receivers = {tuple(group): data_group}
-    receivers |= open_receiver_groups(every_receiver_set, own, backend=backend)
+    nodes = [r.node for r in by_rank]
+    route = open_route(groups, nodes, sets, own, backend=backend, device=device)
     coverage = Coverage()
     with phase(f"{PLUGIN}: streaming {checkpoint!r} and verifying the coverage") as loaded:
-        channel = Channel(data_group, group[0], device if backend == "nccl" else _cpu(), receivers)
-        stream = Stream(plan, needs, tensors, shard, coverage, channel, group)
-        read, sent = (
-            stream.run_reader(meta, settings) if rank == group[0] else stream.run_receiver()
-        )
+        stream = Stream(plan, needs, tensors, shard, coverage, route)
+        read, sent = stream.run(meta, settings)
         coverage.check(params)
         loaded.share(Streamed(read, sent))
     moved: list[Streamed] = loaded.shared

@@ -1,36 +1,53 @@
-"""The stream phase: the reader sends every bucket, each rank copies its shards into its parameters.
+"""The stream phase on one rank: read or receive each bucket once per node, copy this rank's shards.
 
-One :class:`Stream` per rank and load. The reader (the first rank of its
-reader group) reads buckets ahead in a background thread (``transport``'s
-:class:`~megastart.loader.transport.Prefetcher`), broadcasts each to the ranks
-that need it, :data:`~megastart.loader.transport.IN_FLIGHT` at a time, and
-applies it to its own parameters while the next travels; a receiver posts its
-receives the same way and applies each bucket once it has arrived. What a rank
-applies is decided by its needs: the transform of each HF tensor into the
-parameter slice this rank holds, recorded in the coverage.
+Three roles (:mod:`megastart.loader.route`):
+
+* the **reader** (first rank of its reader group, leader of its node) reads
+  each bucket, in a background thread (:class:`~megastart.loader.transport.Prefetcher`),
+  straight into one of its node's shared slots, broadcasts it to the other
+  nodes' leaders that need it, and announces the slot to its node's ranks;
+* a **leader** of another node receives the buckets its node needs straight
+  into its node's shared slots and announces them;
+* every other rank waits for its node's announcements and copies its slices
+  out of the shared slot.
+
+Every rank applies a bucket (the transform of each HF tensor into the slice
+of each of its parameters that this rank holds, recorded in the coverage)
+from its node's shared memory: into CPU parameters with one copy; into CUDA
+parameters with one host-to-device copy per rank from the page-locked slot,
+so a node's GPUs fill in parallel over their own links. A slot is refilled
+once every local rank has reported it read; :data:`IN_FLIGHT` buckets are in
+use at once, and one more slot is being filled.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from megastart.loader.checkpoint import CheckpointMeta, TensorReader
 from megastart.loader.plan import Need, Plan
 from megastart.loader.progress import Progress
+from megastart.loader.route import Route
 from megastart.loader.settings import Rank0LoaderSettings
+from megastart.loader.shm import Segment
 from megastart.loader.transforms import TRANSFORMS, Shard
-from megastart.loader.transport import IN_FLIGHT, Channel, Prefetcher, ReaderError, slot_view
+from megastart.loader.transport import IN_FLIGHT, Prefetcher, ReaderError, slot_view
 from megastart.loader.verify import Coverage
 
 if TYPE_CHECKING:
     import torch
 
+SLOTS = IN_FLIGHT + 1
+"""Bucket-sized slots per node: :data:`IN_FLIGHT` in use, one being filled."""
+
 
 class Stream:
-    """One rank's side of the stream: send (reader) or receive, then copy shards into parameters."""
+    """One rank's side of the stream of one load."""
 
     def __init__(
         self,
@@ -39,125 +56,214 @@ class Stream:
         tensors: dict[tuple[int, str], torch.Tensor],
         shard: Shard,
         coverage: Coverage,
-        channel: Channel,
-        group: list[int],
+        route: Route,
     ) -> None:
         self.plan = plan
         self.tensors = tensors
         self.shard = shard
         self.coverage = coverage
-        self.channel = channel
-        self.ranks = [tuple(group[i] for i in bucket.ranks) for bucket in plan.buckets]
-        """Global ranks each bucket is broadcast to (the reader first)."""
+        self.route = route
         self.consumers: dict[str, list[tuple[Need, int]]] = {}
         """HF tensor name -> this rank's needs that take it, and as which input."""
         for need in needs:
             for index, name in enumerate(need.hf):
                 self.consumers.setdefault(name, []).append((need, index))
+        self.local = route.local_buckets(plan)
+        """The buckets announced inside this rank's node, in order."""
+        self._announced = 0
+        """How many of :attr:`local` the leader has announced."""
 
-    def run_reader(self, meta: CheckpointMeta, settings: Rank0LoaderSettings) -> tuple[int, int]:
-        """Read, broadcast and apply every bucket; returns (bytes read, bytes broadcast)."""
+    def run(self, meta: CheckpointMeta, settings: Rank0LoaderSettings) -> tuple[int, int]:
+        """Stream every bucket this rank takes part in; returns (bytes read, bytes sent between nodes)."""
+        if self.route.position == 0:
+            return self._read(meta, settings)
+        if self.route.leads:
+            return self._relay()
+        return self._take()
+
+    def _read(self, meta: CheckpointMeta, settings: Rank0LoaderSettings) -> tuple[int, int]:
         import torch
 
-        device = self.channel.device
-        on_cuda = device.type == "cuda"
         reader = TensorReader(meta)
-        # On CPU gloo sends from the host buffer itself, so each one in flight holds one;
-        # on CUDA a host buffer is free once copied to its staging buffer on the GPU.
-        prefetch = Prefetcher(
-            reader,
-            self.plan,
-            buffers=2 if on_cuda else IN_FLIGHT + 1,
-            pin=on_cuda,
-            timeout_s=settings.timeout_s,
-        )
         progress = Progress(self.plan.nbytes, enabled=settings.progress)
-        staging = [
-            torch.empty(
-                self.plan.max_bucket_bytes if on_cuda else 0, dtype=torch.uint8, device=device
-            )
-            for _ in range(IN_FLIGHT)
-        ]
-        in_flight: deque[tuple[Any, Callable[[], None]]] = deque()
+        leaders = self.route.leaders
+        staging = self._staging()
+        in_use: deque[_InUse] = deque()
         sent = 0
-        try:
-            for index, bucket in enumerate(self.plan.buckets):
-                try:
-                    host = prefetch.next()
-                except BaseException as e:
-                    while in_flight:  # what was announced is delivered before the error
-                        self._finish(*in_flight.popleft())
-                    self.channel.send_error(
-                        f"reader rank {self.channel.src} failed: {type(e).__name__}: {e}"
-                    )
-                    raise
-                payload = host[: bucket.nbytes]
-                if on_cuda:
-                    payload = staging[index % IN_FLIGHT][: bucket.nbytes]
-                    payload.copy_(host[: bucket.nbytes], non_blocking=True)
-                    copied = torch.cuda.Event()
-                    copied.record()  # the host buffer may be refilled once this has passed
-                    prefetch.release(host, copied)
-                    done = _nothing
-                else:
-                    done = partial(prefetch.release, host)
-                in_flight.append((self.channel.send(payload, self.ranks[index]), done))
-                sent += bucket.nbytes if len(self.ranks[index]) > 1 else 0
-                self._apply(index, payload)
-                progress.advance(bucket.nbytes)
-                if len(in_flight) == IN_FLIGHT:
-                    self._finish(*in_flight.popleft())
-            while in_flight:
-                self._finish(*in_flight.popleft())
-            self._drain()
-        finally:
-            prefetch.close()
+        with self._slots() as slots:
+            # Half the bound: a stalled read is announced before the others' waits expire.
+            prefetch = Prefetcher(reader, self.plan, slots, timeout_s=settings.timeout_s / 2)
+            try:
+                for index, bucket in enumerate(self.plan.buckets):
+                    try:
+                        slot, host = prefetch.next()
+                    except BaseException as e:
+                        for used in in_use:  # what was announced is delivered before the error
+                            used.deliver()
+                        self._fail(
+                            f"reader rank {self.route.group[0]} failed: {type(e).__name__}: {e}"
+                        )
+                        raise
+                    payload = host[: bucket.nbytes]
+                    used = _InUse()
+                    copied = None
+                    if leaders is not None:
+                        wire = payload
+                        if staging:  # NCCL between nodes: the slot travels from the GPU
+                            wire = staging[index % IN_FLIGHT][: bucket.nbytes]
+                            wire.copy_(payload, non_blocking=True)
+                            copied = torch.cuda.Event()
+                            copied.record()
+                        to = self.route.leaders_for(bucket.ranks)
+                        used.sends.append(leaders.send(wire, to))
+                        sent += bucket.nbytes if len(to) > 1 else 0
+                    used.done = self._announce(index, slot, bucket.nbytes)
+                    used.release = partial(prefetch.release, slot, copied)
+                    self._apply(index, payload)
+                    progress.advance(bucket.nbytes)
+                    in_use.append(used)
+                    if len(in_use) == IN_FLIGHT:
+                        in_use.popleft().finish()
+                while in_use:
+                    in_use.popleft().finish()
+                self._drain()
+            finally:
+                prefetch.close()
         return reader.bytes_read, sent
 
-    def run_receiver(self) -> tuple[int, int]:
-        """Receive this rank's buckets, ``IN_FLIGHT`` at a time, applying each once it has arrived."""
+    def _relay(self) -> tuple[int, int]:
+        """Another node's leader: receive its node's buckets into the shared slots, announce them."""
         import torch
 
-        buffers = [
-            torch.empty(self.plan.max_bucket_bytes, dtype=torch.uint8, device=self.channel.device)
-            for _ in range(IN_FLIGHT)
-        ]
-        in_flight: deque[tuple[Any, Callable[[], None]]] = deque()
-        received = 0
-        try:
-            for index, ranks in enumerate(self.ranks):
-                started = self.channel.receive(buffers[received % IN_FLIGHT], ranks)
+        leaders = self.route.leaders
+        assert leaders is not None
+        staging = self._staging()
+        in_use: deque[_InUse] = deque()
+        with self._slots() as slots:
+            free = deque(range(len(slots)))
+            for index, bucket in enumerate(self.plan.buckets):
+                to = self.route.leaders_for(bucket.ranks)
+                target = staging[index % IN_FLIGHT] if staging else slots[free[0]]
+                try:
+                    started = leaders.receive(target, to, bucket.nbytes)
+                except ReaderError as e:
+                    self._fail(str(e))
+                    raise
                 if started is None:
                     continue
+                slot = free.popleft()
                 payload, work = started
-                received += 1
-                in_flight.append((work, partial(self._apply, index, payload)))
-                if len(in_flight) == IN_FLIGHT:
-                    self._finish(*in_flight.popleft())
-        except ReaderError:
-            while in_flight:  # the reader sent these before its error: take them off the wire
-                in_flight.popleft()[0].wait()
-            raise
-        while in_flight:
-            self._finish(*in_flight.popleft())
-        self._drain()
+                work.wait()
+                if staging:
+                    slots[slot][: bucket.nbytes].copy_(payload)
+                    torch.cuda.current_stream().synchronize()
+                payload = slots[slot][: bucket.nbytes]
+                done = self._announce(index, slot, bucket.nbytes)
+                self._apply(index, payload)
+                in_use.append(_InUse(done=done, release=partial(free.append, slot)))
+                if len(in_use) == IN_FLIGHT:
+                    in_use.popleft().finish()
+            while in_use:
+                in_use.popleft().finish()
+            self._drain()
         return 0, 0
 
-    @staticmethod
-    def _finish(work: Any, then: Callable[[], None]) -> None:
-        """Wait for one broadcast in flight (bounded by its group's timeout), then run ``then``."""
-        if work is not None:
-            work.wait()
-        then()
+    def _take(self) -> tuple[int, int]:
+        """A rank that leads nothing: copy its slices out of each announced slot."""
+        import torch
+        import torch.distributed as dist
+
+        local = self.route.local
+        assert local is not None
+        reported: deque[Any] = deque()
+        with self._slots() as slots:
+            for index in self.local:
+                bucket = self.plan.buckets[index]
+                slot = local.announced(bucket.nbytes, len(slots))
+                self._apply(index, slots[slot][: bucket.nbytes])
+                reported.append(
+                    dist.all_reduce(torch.zeros(1), group=self.route.done, async_op=True)
+                )
+                if len(reported) == IN_FLIGHT:
+                    reported.popleft().wait()
+            while reported:
+                reported.popleft().wait()
+        return 0, 0
+
+    def _announce(self, index: int, slot: int, nbytes: int) -> Any:
+        """Tell the node's other ranks that bucket ``index`` is in ``slot``, if one needs it;
+        returns the report of their having read it, in flight (``None`` if none needs it)."""
+        import torch
+        import torch.distributed as dist
+
+        local = self.route.local
+        if (
+            local is None
+            or self._announced == len(self.local)
+            or self.local[self._announced] != index
+        ):
+            return None
+        local.announce(nbytes, slot)
+        self._announced += 1
+        return dist.all_reduce(torch.zeros(1), group=self.route.done, async_op=True)
+
+    def _fail(self, message: str) -> None:
+        """Pass the reader's failure on: to the other leaders (the reader), and to this node's
+        ranks while they still wait for an announcement."""
+        if self.route.position == 0 and self.route.leaders is not None:
+            self.route.leaders.send_error(message)
+        if self.route.local is not None and self._announced < len(self.local):
+            self.route.local.send_error(message)
+
+    @contextmanager
+    def _slots(self) -> Iterator[list[torch.Tensor]]:
+        """The node's bucket slots: a shared segment for a node of several ranks (made by the
+        leader, mapped by all, its name removed once all have mapped it), private memory otherwise."""
+        import torch
+        import torch.distributed as dist
+
+        size = self.plan.max_bucket_bytes
+        pin = self.route.device.type == "cuda"
+        local = self.route.local
+        if local is None:
+            yield [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(SLOTS)]
+            return
+        segment = _open_segment(local, SLOTS * size, leads=self.route.leads)
+        try:
+            dist.barrier(group=self.route.done)  # every local rank has mapped it
+            if self.route.leads:
+                segment.unlink()
+            if pin:
+                segment.pin()
+            assert segment.tensor is not None
+            yield [segment.tensor[i * size : (i + 1) * size] for i in range(SLOTS)]
+        finally:
+            if self.route.leads:
+                segment.unlink()
+            segment.close()
+
+    def _staging(self) -> list[torch.Tensor]:
+        """GPU buffers for NCCL between node leaders (none for gloo, or a single node)."""
+        import torch
+
+        leaders = self.route.leaders
+        if leaders is None or leaders.device.type != "cuda":
+            return []
+        size = self.plan.max_bucket_bytes
+        return [
+            torch.empty(size, dtype=torch.uint8, device=leaders.device) for _ in range(IN_FLIGHT)
+        ]
 
     def _drain(self) -> None:
         """Wait for the queued copies and broadcasts: the loader's groups are destroyed next."""
         import torch
 
-        if self.channel.device.type == "cuda":
+        if self.route.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
 
     def _apply(self, index: int, payload: torch.Tensor) -> None:
+        """Copy this rank's slices of bucket ``index`` into its parameters; returns once the
+        copies are done (the slot may be refilled then)."""
         import torch
 
         with torch.no_grad():
@@ -171,9 +277,58 @@ class Stream:
                         need.param.shape,
                         self.shard,
                     ):
-                        param.data[first:stop].copy_(piece)
+                        param.data[first:stop].copy_(piece, non_blocking=True)
                         self.coverage.record(need.param, first, stop)
+        if self.route.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
 
 
-def _nothing() -> None:
-    pass
+@dataclass(slots=True)
+class _InUse:
+    """A bucket some rank still reads: its broadcasts to other nodes, the node's report, its slot."""
+
+    sends: list[Any] = field(default_factory=list)
+    done: Any = None
+    release: Callable[[], None] | None = None
+
+    def deliver(self) -> None:
+        for work in self.sends:
+            if work is not None:
+                work.wait()
+
+    def finish(self) -> None:
+        """Wait (each bounded by its group's timeout) until no rank reads the slot; free it."""
+        self.deliver()
+        if self.done is not None:
+            self.done.wait()
+        if self.release is not None:
+            self.release()
+
+
+def _open_segment(local: Any, nbytes: int, *, leads: bool) -> Segment:
+    """The leader makes the node's segment and sends its name (or its error) to the node's ranks."""
+    import torch.distributed as dist
+
+    box: list[Any] = [None]
+    segment, failure = None, None
+    if leads:
+        try:
+            segment = Segment.create(nbytes)
+            box[0] = (None, segment.name)
+        except BaseException as e:  # sent to the node's ranks, then raised here
+            failure = e
+            box[0] = (f"{type(e).__name__}: {e}", None)
+    try:
+        dist.broadcast_object_list(box, src=local.src, group=local.group)
+    except BaseException:
+        if segment is not None:
+            segment.unlink()
+        raise
+    error, name = box[0]
+    if failure is not None:
+        raise failure
+    if error is not None:
+        raise ReaderError(
+            f"node leader rank {local.src} could not make the shared buckets: {error}"
+        )
+    return segment if segment is not None else Segment(name, nbytes, create=False)

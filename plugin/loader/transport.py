@@ -82,21 +82,6 @@ def reader_groups(reader: str, keys: Sequence[tuple[str, int]]) -> list[list[int
     return sorted(by_node.values())
 
 
-def open_data_groups(groups: list[list[int]], own: OwnGroups, *, backend: str) -> dist.ProcessGroup:
-    """Create every group's process group (collective over WORLD); return this rank's."""
-    import torch.distributed as dist
-
-    if len(groups) == 1:
-        return own.new(None, backend=backend)
-    mine = None
-    for ranks in groups:
-        group = own.new(ranks, backend=backend)
-        if dist.get_rank() in ranks:
-            mine = group
-    assert mine is not None
-    return mine
-
-
 def open_receiver_groups(
     receiver_sets: list[tuple[int, ...]], own: OwnGroups, *, backend: str
 ) -> dict[tuple[int, ...], dist.ProcessGroup]:
@@ -139,6 +124,10 @@ class Channel:
             return self._broadcast(payload, self.receivers[ranks], async_op=True)
         return None
 
+    def announce(self, nbytes: int, slot: int) -> None:
+        """Tell the group that a bucket of ``nbytes`` waits in shared slot ``slot`` (no payload)."""
+        self._header(_OK, nbytes, slot)
+
     def send_error(self, message: str) -> None:
         import torch
 
@@ -147,45 +136,67 @@ class Channel:
         self._broadcast(data, self.group)
 
     def receive(
-        self, buffer: torch.Tensor, ranks: tuple[int, ...]
+        self, buffer: torch.Tensor, ranks: tuple[int, ...], nbytes: int
     ) -> tuple[torch.Tensor, dist.Work] | None:
-        """Start receiving the next payload into ``buffer`` (``None`` if it is not for this rank).
+        """Start receiving the next payload, of the plan's ``nbytes``, into ``buffer``
+        (``None`` if it is not for this rank).
 
         Returns the payload's view of ``buffer`` and the broadcast in flight,
         which must be waited for before the payload is read. Raises
-        :class:`ReaderError` if the reader failed: every rank of the group hears
-        every header, so an error reaches the ranks a bucket skips too.
+        :class:`ReaderError` if the reader failed, or announced another size:
+        every rank of the group hears every header, so an error reaches the
+        ranks a bucket skips too.
         """
-        import torch
-
-        status, nbytes = self._header(_OK, 0)
-        if status == _FAILED:
-            data = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            self._broadcast(data, self.group)
-            raise ReaderError(bytes(data.cpu().numpy()).decode(errors="replace"))
+        status, announced, _ = self._header(_OK, 0)
+        self._check(status, announced, nbytes, buffer.numel())
         if ranks not in self.receivers:
             return None
         payload = buffer[:nbytes]
         return payload, self._broadcast(payload, self.receivers[ranks], async_op=True)
 
-    def _header(self, status: int, nbytes: int) -> tuple[int, int]:
-        """Broadcast ``[status, nbytes]`` from the reader; what the reader sent, on every rank.
+    def announced(self, nbytes: int, slots: int) -> int:
+        """Wait for the next :meth:`announce` of a bucket of the plan's ``nbytes``; its slot.
+
+        Raises :class:`ReaderError` if the leader sent an error, another size or
+        a slot outside ``range(slots)``.
+        """
+        status, announced, slot = self._header(_OK, 0)
+        self._check(status, announced, nbytes, nbytes)
+        if not 0 <= slot < slots:
+            raise ReaderError(f"the node leader announced slot {slot}, outside the {slots} slots")
+        return slot
+
+    def _check(self, status: int, announced: int, nbytes: int, capacity: int) -> None:
+        import torch
+
+        if status == _FAILED:
+            data = torch.empty(announced, dtype=torch.uint8, device=self.device)
+            self._broadcast(data, self.group)
+            raise ReaderError(bytes(data.cpu().numpy()).decode(errors="replace"))
+        if status != _OK or announced != nbytes or nbytes > capacity:
+            raise ReaderError(
+                f"rank {self.src} announced a bucket of {announced} bytes (status {status}), "
+                f"the plan's holds {nbytes} and the buffer {capacity}: the ranks disagree on the plan"
+            )
+
+    def _header(self, status: int, nbytes: int, slot: int = 0) -> tuple[int, int, int]:
+        """Broadcast ``[status, nbytes, slot]`` from the sender; what it sent, on every rank.
 
         Filled in place rather than built from a list: on CUDA, a copy from
-        pageable host memory would wait for the stream, and the reader, which
+        pageable host memory would wait for the stream, and the sender, which
         knows what it sent, never reads the header back; so its loop does not
         wait for the GPU once per bucket.
         """
         import torch
         import torch.distributed as dist
 
-        header = torch.empty(2, dtype=torch.int64, device=self.device)
-        header[0], header[1] = status, nbytes
+        header = torch.empty(3, dtype=torch.int64, device=self.device)
+        header[0], header[1], header[2] = status, nbytes, slot
         self._broadcast(header, self.group)
         if dist.get_rank() == self.src:
-            return status, nbytes
+            return status, nbytes, slot
         received = header.tolist()
-        return received[0], received[1]
+        return received[0], received[1], received[2]
 
     def _broadcast(
         self, tensor: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False
@@ -198,51 +209,56 @@ class Channel:
 class Prefetcher:
     """Reads the plan's buckets in a background thread, ahead of the sender.
 
-    ``buffers`` host buffers take turns: one is filled while the others are
-    sent (on CPU, gloo sends straight from them) or copied to the GPU.
+    The ``buffers`` take turns, in the order they are released: one is filled
+    while the others are sent (on CPU, gloo sends straight from them), copied
+    to the GPU, or read by the node's other ranks (shared-memory slots).
     """
 
     def __init__(
-        self, reader: TensorReader, plan: Plan, *, buffers: int, pin: bool, timeout_s: float
+        self, reader: TensorReader, plan: Plan, buffers: list[torch.Tensor], *, timeout_s: float
     ) -> None:
-        import torch
-
         self._reader = reader
         self._plan = plan
+        self._buffers = buffers
         self._timeout_s = timeout_s
-        self._free: queue.Queue[tuple[torch.Tensor, Any] | None] = queue.Queue()
-        self._ready: queue.Queue[tuple[torch.Tensor | None, BaseException | None]] = queue.Queue()
-        for _ in range(min(buffers, len(plan.buckets))):
-            buffer = torch.empty(plan.max_bucket_bytes, dtype=torch.uint8, pin_memory=pin)
-            self._free.put((buffer, None))
+        self._stalled = False
+        self._free: queue.Queue[tuple[int, Any] | None] = queue.Queue()
+        self._ready: queue.Queue[tuple[int, BaseException | None]] = queue.Queue()
+        for index in range(len(buffers)):
+            self._free.put((index, None))
         self._thread = threading.Thread(
             target=self._run, name="megastart-rank0-loader-read", daemon=True
         )
         self._thread.start()
 
-    def next(self) -> torch.Tensor:
-        """The next filled buffer; re-raises the read error; bounded by ``timeout_s``."""
+    def next(self) -> tuple[int, torch.Tensor]:
+        """The next filled buffer and its index; re-raises the read error; bounded by ``timeout_s``."""
         try:
-            buffer, error = self._ready.get(timeout=self._timeout_s)
+            index, error = self._ready.get(timeout=self._timeout_s)
         except queue.Empty:
+            self._stalled = True
             raise ReaderError(
-                f"reading one bucket took longer than timeout_s={self._timeout_s:g}"
+                f"reading one bucket took longer than {self._timeout_s:g} s "
+                "(half of rank0_loader.timeout_s): the storage stalled"
             ) from None
         if error is not None:
             raise error
-        assert buffer is not None
-        return buffer
+        return index, self._buffers[index]
 
-    def release(self, buffer: torch.Tensor, copied: Any = None) -> None:
-        """Give ``buffer`` back for the next read, once the CUDA event ``copied`` (if any) has passed.
+    def release(self, index: int, copied: Any = None) -> None:
+        """Give buffer ``index`` back for the next read, once the CUDA event ``copied`` (if any) has passed.
 
-        The reader copies a pinned buffer to the GPU asynchronously; the read
-        thread waits for that copy alone, not the sender's whole stream.
+        A copy to the GPU runs asynchronously; the read thread waits for that
+        copy alone, not the sender's whole stream.
         """
-        self._free.put((buffer, copied))
+        self._free.put((index, copied))
 
     def close(self) -> None:
+        """Stop the read thread. One stalled in a read is left to finish on its own (a daemon,
+        holding its file open): waiting for it would add another ``timeout_s`` to the failure."""
         self._free.put(None)
+        if self._stalled:
+            return
         self._thread.join(timeout=self._timeout_s)
         self._reader.close()
 
@@ -251,15 +267,15 @@ class Prefetcher:
             free = self._free.get()
             if free is None:
                 return
-            buffer, copied = free
+            index, copied = free
             try:
                 if copied is not None:
                     copied.synchronize()
-                fill(self._reader, bucket, buffer)
+                fill(self._reader, bucket, self._buffers[index])
             except BaseException as e:  # handed to the sender, which tells every rank
-                self._ready.put((None, e))
+                self._ready.put((index, e))
                 return
-            self._ready.put((buffer, None))
+            self._ready.put((index, None))
 
 
 def fill(reader: TensorReader, bucket: Bucket, buffer: torch.Tensor) -> None:
