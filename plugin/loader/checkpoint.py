@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -265,14 +266,16 @@ ITEMSIZE = {
 class TensorReader:
     """Reads tensors of one checkpoint into caller-provided buffers; counts the bytes read.
 
-    Used by the reader rank's prefetch thread only. Files are opened once and
-    kept open until :meth:`close`.
+    Used by the reader rank's prefetch threads only; safetensors reads may run
+    in several threads at once. Files are opened once and kept open until
+    :meth:`close`.
     """
 
     def __init__(self, meta: CheckpointMeta) -> None:
         self.meta = meta
         self.bytes_read = 0
         self._files: dict[str, Any] = {}
+        self._lock = threading.Lock()
 
     def read_into(self, entry: TensorEntry, out: torch.Tensor, first_row: int = 0) -> None:
         """Fill ``out`` (contiguous, any dtype) with the tensor's rows from ``first_row`` on, converting.
@@ -294,9 +297,10 @@ class TensorReader:
             staging = torch.empty(entry.shape, dtype=dtype)
             read_exact(self._file(entry.file), entry, staging.view(torch.uint8).reshape(-1).numpy())
             out.copy_(staging)
-        self.bytes_read += (
-            entry.end - entry.start if entry.start >= 0 else out.numel() * ITEMSIZE[entry.dtype]
-        )
+        with self._lock:
+            self.bytes_read += (
+                entry.end - entry.start if entry.start >= 0 else out.numel() * ITEMSIZE[entry.dtype]
+            )
 
     def close(self) -> None:
         for f in self._files.values():
@@ -305,9 +309,10 @@ class TensorReader:
         self._files.clear()
 
     def _file(self, name: str) -> Any:
-        if name not in self._files:
-            self._files[name] = open(Path(self.meta.directory) / name, "rb", buffering=0)
-        return self._files[name]
+        with self._lock:
+            if name not in self._files:
+                self._files[name] = open(Path(self.meta.directory) / name, "rb", buffering=0)
+            return self._files[name]
 
     def _bin_file(self, name: str) -> dict[str, torch.Tensor]:
         if name not in self._files:
