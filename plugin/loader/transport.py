@@ -1,34 +1,33 @@
-"""Moving buckets from the reader to the ranks: reader groups, prefetch, broadcast.
+"""Moving buckets between ranks: reader groups, headers, broadcasts between nodes, read-ahead.
 
-**Why broadcast, and to whom.** Only some ranks need a given tensor (a TP
-shard, one pipeline stage), so a scatter of per-rank slices looks cheaper, but
-it makes the reader's link carry the model once per data-parallel replica and
-per TP-shard overlap. A ring/tree broadcast carries each byte over the
-reader's link once and reaches every rank in about the time one link needs,
-whatever the group size. Each bucket holds tensors that the same ranks need
-(a pipeline stage's, an expert-parallel rank's) and is broadcast to those
-ranks only, in a process group of their own; where a backend broadcasts from
-the root to each receiver (gloo), that divides the reader's traffic by the
-number of stages. The plan only includes tensors some rank of the group needs.
+**Why broadcast between nodes, and to whom.** Only some nodes need a given
+tensor (a pipeline stage's, an expert-parallel rank's), so a scatter of
+per-rank slices looks cheaper, but it makes the reader's link carry the
+model once per data-parallel replica. A ring/tree broadcast carries each byte
+over the reader's link once and reaches every node in about the time one link
+needs. Each bucket holds tensors the same ranks need and is broadcast to the
+leaders of their nodes only, in a process group of their own. Inside a node
+no bytes travel over a socket: see :mod:`megastart.loader.route`.
 
-**Protocol.** Per bucket, the reader broadcasts a two-element header
-``[status, nbytes]`` to the whole reader group and then the payload to the
-bucket's ranks. A reader that fails to read (I/O error, file changed under it)
-sends ``status = 1`` and the error message to the whole group instead, so every
-rank raises that message rather than waiting for bytes that never come. Every
-wait is bounded by the group's timeout.
+**Protocol.** Per bucket, the sender broadcasts a header ``[status, nbytes,
+slot]`` to its whole group (every node leader of the reader group; inside a
+node, every rank of it), then, between nodes, the payload to the leaders
+that need it. A reader that fails to read (I/O error, file changed under it,
+a read that stalls) sends ``status = 1`` and the error message instead, so
+every rank raises that message rather than waiting for bytes that never
+come. A receiver checks every announced size against the plan's and its
+buffer. Every wait is bounded by the group's timeout.
 
-**Overlap.** Payloads are broadcast asynchronously, :data:`IN_FLIGHT` at a
-time: while bucket *i* travels, a receiver copies bucket *i - 1* into its
-parameters, and a background thread on the reader reads bucket *i + 1* (into
-host buffers, pinned when the parameters are on CUDA). It reads in the plan's
-file order and leaves read-ahead to the kernel on a cold page cache (an
-explicit ``POSIX_FADV_WILLNEED`` of the next bucket made cold loads slower;
-one pass over each file filling interleaved buckets side by side was no
-faster). Headers stay synchronous, and a header announces only a payload that
-will be sent: when the reader fails, it first finishes the broadcasts in
-flight, then sends the error, so no rank is left waiting on a payload that
-never comes.
+**Overlap.** A background thread on the reader reads bucket *i + 1* while
+bucket *i* is sent and copied, the parts of one bucket on up to
+:data:`READ_THREADS` threads at once (one thread copies out of the page cache
+at one core's speed). It reads in the plan's file order and leaves
+read-ahead to the kernel on a cold page cache (an explicit
+``POSIX_FADV_WILLNEED`` of the next bucket made cold loads slower; one pass
+over each file filling interleaved buckets side by side was no faster).
+Headers stay synchronous, and a header announces only a payload that will be
+sent: when the reader fails, it first finishes the broadcasts in flight, then
+sends the error, so no rank is left waiting on a payload that never comes.
 """
 
 from __future__ import annotations
