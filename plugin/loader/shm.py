@@ -84,14 +84,14 @@ class Segment:
         self._registered = True
 
     def close(self) -> None:
-        """Unmap (once no tensor views it: the caller drops its views first)."""
+        """Unregister and drop this object's view: the memory is unmapped when the last
+        tensor viewing it goes (a read thread left stalled keeps it mapped until it ends)."""
         import torch
 
         if self._registered and self.tensor is not None:
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
             self._registered = False
         self.tensor = None
-        self._map.close()
 
 
 def sweep_stale() -> list[str]:
