@@ -76,7 +76,8 @@ class LoadReport:
     """Bytes read from checkpoint files by every reader of the job together."""
 
     bytes_broadcast: int
-    """Bytes the reader(s) sent to the other ranks."""
+    """Bytes the reader(s) sent to other nodes (each bucket once per node that needs it;
+    inside a node the ranks read the bytes from shared memory)."""
 
     seconds: float
     """Wall time of the whole load on this rank."""
