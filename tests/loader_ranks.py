@@ -138,8 +138,10 @@ def load_expecting_error(
         return "loaded"
 
 
-def load_with_failing_reads(checkpoint: str, layout: dict[str, int], good_reads: int) -> str:
-    """Inject an I/O error into the reader's file reads after ``good_reads`` tensors."""
+def load_with_failing_reads(
+    checkpoint: str, layout: dict[str, int], good_reads: int, ranks_per_node: int | None = None
+) -> str:
+    """Inject an I/O error into the reader's file reads after ``good_reads`` reads."""
     import torch.distributed as dist
 
     from megastart.loader import checkpoint as checkpoint_module
@@ -156,7 +158,8 @@ def load_with_failing_reads(checkpoint: str, layout: dict[str, int], good_reads:
     if dist.get_rank() == 0:
         checkpoint_module.read_exact = failing_read
     try:
-        return load_expecting_error(checkpoint, layout, {})
+        with simulated_nodes(ranks_per_node or dist.get_world_size()):
+            return load_expecting_error(checkpoint, layout, {})
     finally:
         checkpoint_module.read_exact = original
 

@@ -16,6 +16,7 @@ from loader_ranks import (
     load_as_nodes,
     load_seeing_shared_segments,
     load_while_a_rank_dies,
+    load_with_failing_reads,
     load_with_stalled_read,
 )
 
@@ -77,6 +78,17 @@ def test_a_rank_killed_holding_a_shared_bucket_fails_every_rank_and_leaves_no_se
     assert f"ranks that died: {dying_rank} (exit code 7)" in message
     assert "CollectiveError: rank0_loader: streaming" in message
     assert elapsed < 3 * timeout_s + 10
+
+
+def test_a_read_error_reaches_both_nodes_with_the_readers_message(
+    rank_pools: Any, checkpoint: str
+) -> None:
+    """The reader's I/O error crosses to the second node's leader, which passes it on."""
+    start = time.monotonic()
+    messages = rank_pools[4].run(load_with_failing_reads, checkpoint, TP2_PP2, 5, 2)
+    assert time.monotonic() - start < 60
+    assert len(set(messages)) == 1, messages
+    assert "Input/output error" in messages[0]
 
 
 def test_a_stalled_read_fails_every_rank_within_timeout(checkpoint: str) -> None:
