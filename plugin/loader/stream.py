@@ -42,7 +42,7 @@ from megastart.loader.route import Route
 from megastart.loader.settings import Rank0LoaderSettings
 from megastart.loader.shm import Segment
 from megastart.loader.transforms import TRANSFORMS, Shard
-from megastart.loader.transport import IN_FLIGHT, Channel, Prefetcher, ReaderError, slot_view
+from megastart.loader.transport import IN_FLIGHT, Prefetcher, ReaderError, slot_view
 from megastart.loader.verify import Coverage
 
 if TYPE_CHECKING:
@@ -255,7 +255,7 @@ class Stream:
         if local is None:
             yield [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(SLOTS)]
             return
-        segment = _open_segment(local, SLOTS * size, leads=self.route.leads)
+        segment = _open_segment(self.route, SLOTS * size)
         try:
             mapped = dist.barrier(group=self.route.done, async_op=True)
             self._reported(mapped, "mapped the shared segment")
@@ -322,21 +322,15 @@ class _InUse:
     release: Callable[[], None] | None = None
 
 
-def _open_segment(local: Channel, nbytes: int, *, leads: bool) -> Segment:
-    """The leader makes the node's segment and sends its name (or its error) to the node's ranks,
-    which map it whole."""
-    if not leads:
-        return Segment.open(local.receive_text())
+def _open_segment(route: Route, nbytes: int) -> Segment:
+    """The leader makes the node's segment and posts its name on the load's board; the node's
+    other ranks map it whole (a leader that fails is announced there, and they stop)."""
+    key = f"segment/{route.group[route.node[0]]}"
+    if not route.leads:
+        return Segment.open(route.board.read(key, "the name of the node's shared segment"))
+    segment = Segment.create(nbytes)
     try:
-        segment = Segment.create(nbytes)
-    except BaseException as e:  # sent to the node's ranks, then raised here
-        local.send_error(
-            f"node leader rank {local.src} could not make the shared buckets: "
-            f"{type(e).__name__}: {e}"
-        )
-        raise
-    try:
-        local.send_text(segment.name)
+        route.board.post(key, segment.name)
     except BaseException:
         segment.unlink()
         segment.close()

@@ -143,19 +143,11 @@ class Channel:
 
     def send_error(self, message: str) -> None:
         """Tell the group that the sender failed, and why; each rank raises it as a :class:`ReaderError`."""
-        self._send_text(_FAILED, message)
+        import torch
 
-    def send_text(self, text: str) -> None:
-        """Send a short text (a shared segment's name) to the group."""
-        self._send_text(_OK, text)
-
-    def receive_text(self) -> str:
-        """The text of the next :meth:`send_text`; raises :class:`ReaderError` if the sender failed."""
-        status, nbytes, _ = self._header(_OK, 0)
-        text = self._receive_text(nbytes)
-        if status == _FAILED:
-            raise ReaderError(text)
-        return text
+        data = torch.frombuffer(bytearray(message.encode()), dtype=torch.uint8).to(self.device)
+        self._header(_FAILED, data.numel())
+        self.wait(self._broadcast(data, self.group, async_op=True), "the error message")
 
     def receive(
         self, buffer: torch.Tensor, ranks: tuple[int, ...], nbytes: int
@@ -210,18 +202,11 @@ class Channel:
                 "nothing was received"
             )
 
-    def _send_text(self, status: int, text: str) -> None:
-        import torch
-
-        data = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8).to(self.device)
-        self._header(status, data.numel())
-        self.wait(self._broadcast(data, self.group, async_op=True), "a message")
-
     def _receive_text(self, nbytes: int) -> str:
         import torch
 
         data = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        self.wait(self._broadcast(data, self.group, async_op=True), "a message")
+        self.wait(self._broadcast(data, self.group, async_op=True), "the error message")
         return bytes(data.cpu().numpy()).decode(errors="replace")
 
     def _header(self, status: int, nbytes: int, slot: int = 0) -> tuple[int, int, int]:
