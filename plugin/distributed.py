@@ -167,6 +167,31 @@ class Board:
                 self.announce(stalled)
                 raise stalled
 
+    def post(self, key: str, value: str) -> None:
+        """Leave ``value`` for the ranks that :meth:`read` ``key`` (a name, not data)."""
+        self._store.set(f"posted/{key}", value)
+
+    def read(self, key: str, what: str) -> str:
+        """The value another rank :meth:`post` s under ``key``: :meth:`wait` on a peer for it.
+
+        The store is polled, every millisecond at first (the peer usually posts
+        at once), then less often, up to every :data:`POLL_S`.
+        """
+        name = f"posted/{key}"
+
+        def posted(slice_s: float) -> bool:
+            deadline = time.monotonic() + slice_s
+            pause = 0.001
+            while not self._store.check([name]):
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(pause)
+                pause = min(2 * pause, POLL_S / 4)
+            return True
+
+        self.wait(posted, what, peer=True)
+        return bytes(self._store.get(name)).decode()
+
     def wait_work(self, work: Any, what: str) -> None:
         """:meth:`wait` on another rank for a gloo ``Work`` (its own errors are raised as they are)."""
 

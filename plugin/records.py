@@ -76,7 +76,8 @@ class LoadReport:
     """Bytes read from checkpoint files by every reader of the job together."""
 
     bytes_broadcast: int
-    """Bytes the reader(s) sent to the other ranks."""
+    """Bytes the reader(s) sent to other nodes (each bucket once per node that needs it;
+    inside a node the ranks read the bytes from shared memory)."""
 
     seconds: float
     """Wall time of the whole load on this rank."""
@@ -99,7 +100,7 @@ class LoadReport:
     def summary(self) -> str:
         return (
             f"{self.plugin}: {self.tensors} tensors, {self.bytes_read / 1e9:.2f} GB read by "
-            f"rank(s) {list(self.reader_ranks)}, {self.bytes_broadcast / 1e9:.2f} GB broadcast, "
+            f"rank(s) {list(self.reader_ranks)}, {self.bytes_broadcast / 1e9:.2f} GB sent between nodes, "
             f"{self.seconds:.2f} s ({self.throughput_gbps:.2f} GB/s)"
             + (f"; left to the host: {list(self.left_to_host)}" if self.left_to_host else "")
         )

@@ -96,15 +96,26 @@ def load_parameters(checkpoint: str, layout: dict[str, int]) -> tuple[int, dict[
 
 
 def load_as_nodes(
-    checkpoint: str, layout: dict[str, int], ranks_per_node: int
+    checkpoint: str,
+    layout: dict[str, int],
+    ranks_per_node: int,
+    overrides: dict[str, Any],
+    **config_overrides: Any,
 ) -> tuple[Any, torch.Tensor]:
-    """Like :func:`load_and_forward` with ``reader=node``, ``LOCAL_RANK`` set as on ``ranks_per_node``-rank nodes."""
+    """:func:`load_and_forward` with ``LOCAL_RANK`` set as on nodes of ``ranks_per_node`` ranks."""
+    with simulated_nodes(ranks_per_node):
+        return load_and_forward(checkpoint, layout, overrides, **config_overrides)
+
+
+@contextmanager
+def simulated_nodes(ranks_per_node: int):
+    """``LOCAL_RANK`` as on nodes of ``ranks_per_node`` consecutive ranks (the loader's node key)."""
     import torch.distributed as dist
 
     saved = os.environ.get("LOCAL_RANK")
     os.environ["LOCAL_RANK"] = str(dist.get_rank() % ranks_per_node)
     try:
-        return load_and_forward(checkpoint, layout, {"reader": "node"})
+        yield
     finally:
         os.environ["LOCAL_RANK"] = saved or "0"
 
@@ -127,8 +138,10 @@ def load_expecting_error(
         return "loaded"
 
 
-def load_with_failing_reads(checkpoint: str, layout: dict[str, int], good_reads: int) -> str:
-    """Inject an I/O error into the reader's file reads after ``good_reads`` tensors."""
+def load_with_failing_reads(
+    checkpoint: str, layout: dict[str, int], good_reads: int, ranks_per_node: int | None = None
+) -> str:
+    """Inject an I/O error into the reader's file reads after ``good_reads`` reads."""
     import torch.distributed as dist
 
     from megastart.loader import checkpoint as checkpoint_module
@@ -145,15 +158,21 @@ def load_with_failing_reads(checkpoint: str, layout: dict[str, int], good_reads:
     if dist.get_rank() == 0:
         checkpoint_module.read_exact = failing_read
     try:
-        return load_expecting_error(checkpoint, layout, {})
+        with simulated_nodes(ranks_per_node or dist.get_world_size()):
+            return load_expecting_error(checkpoint, layout, {})
     finally:
         checkpoint_module.read_exact = original
 
 
 def load_while_a_rank_dies(
-    checkpoint: str, layout: dict[str, int], dying_rank: int, timeout_s: float
+    checkpoint: str,
+    layout: dict[str, int],
+    dying_rank: int,
+    timeout_s: float,
+    ranks_per_node: int | None = None,
 ) -> None:
-    """``dying_rank`` exits in the middle of the stream (its second bucket); the others must raise."""
+    """``dying_rank`` exits in the middle of the stream, while it holds the second bucket it
+    copies from (out of its node's shared memory); the others must raise."""
     import torch.distributed as dist
 
     from megastart import load_hf_checkpoint
@@ -161,15 +180,19 @@ def load_while_a_rank_dies(
 
     if dist.get_rank() == dying_rank:
         original = stream.Stream._apply
+        applied = [0]
 
         def apply_then_die(self: Any, index: int, payload: Any) -> None:
-            if index == 1:
-                os._exit(7)
+            if any(slot.name in self.consumers for slot in self.plan.buckets[index].slots):
+                applied[0] += 1
+                if applied[0] == 2:
+                    os._exit(7)
             original(self, index, payload)
 
         stream.Stream._apply = apply_then_die  # type: ignore[method-assign]
-    with megatron(layout):
-        load_hf_checkpoint(build(checkpoint), checkpoint, settings=settings(timeout_s=timeout_s))
+    with simulated_nodes(ranks_per_node or dist.get_world_size()), megatron(layout):
+        chunks = build(checkpoint)
+        load_hf_checkpoint(chunks, checkpoint, settings=settings(timeout_s=timeout_s))
 
 
 def load_for_engine_counting_warnings(checkpoint: str) -> tuple[Any, int]:
@@ -213,7 +236,9 @@ def process_groups_before_and_after_load(
         return before, len(distributed_c10d._world.pg_map)
 
 
-def load_counting_received_bytes(checkpoint: str, layout: dict[str, int]) -> tuple[int, int, Any]:
+def load_counting_received_bytes(
+    checkpoint: str, layout: dict[str, int], ranks_per_node: int
+) -> tuple[int, int, Any]:
     """This rank's pipeline stage, the bucket bytes broadcast to it, and the load report.
 
     Counts the ``uint8`` payloads of ``torch.distributed.broadcast`` calls this
@@ -233,7 +258,7 @@ def load_counting_received_bytes(checkpoint: str, layout: dict[str, int]) -> tup
             received[0] += tensor.nbytes
         return original(tensor, *args, **kwargs)
 
-    with megatron(layout):
+    with simulated_nodes(ranks_per_node), megatron(layout):
         chunks = build(checkpoint)
         dist.broadcast = counting
         try:
@@ -463,3 +488,33 @@ def reference_hidden_states(checkpoint: str | os.PathLike[str]) -> tuple[torch.T
     model = auto.from_pretrained(checkpoint, dtype=torch.float32).eval()
     with torch.no_grad():
         return model.base_model(TOKENS).last_hidden_state.float(), model
+
+
+def load_seeing_shared_segments(
+    checkpoint: str, layout: dict[str, int], ranks_per_node: int
+) -> tuple[set[str], set[str]]:
+    """The loader's shared segments this rank mapped while it copied its slices (as
+    ``/proc/self/maps`` names them), and those still mapped after the load."""
+    from megastart import load_hf_checkpoint
+    from megastart.loader import stream
+    from megastart.loader.shm import PREFIX
+
+    def mapped() -> set[str]:
+        lines = open("/proc/self/maps").read().splitlines()
+        return {line.split(None, 5)[5] for line in lines if PREFIX in line}
+
+    seen: set[str] = set()
+    original = stream.Stream._apply
+
+    def apply_and_look(self: Any, index: int, payload: Any) -> None:
+        seen.update(mapped())
+        original(self, index, payload)
+
+    stream.Stream._apply = apply_and_look  # type: ignore[method-assign]
+    try:
+        with simulated_nodes(ranks_per_node), megatron(layout):
+            chunks = build(checkpoint)
+            load_hf_checkpoint(chunks, checkpoint, settings=settings())
+    finally:
+        stream.Stream._apply = original  # type: ignore[method-assign]
+    return seen, mapped()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from pathlib import Path
 
 import pytest
 
@@ -14,25 +15,21 @@ from megastart.cli import main
 STRATEGIES = ("megastart", "every_rank_full", "stage_reader", "mmap_slices")
 
 
-@pytest.fixture(scope="module")
-def bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
-    out = tmp_path_factory.mktemp("bench")
+def run_bench(out: Path, *arguments: str) -> tuple[dict, str]:
+    """``megastart bench loader`` with ``arguments``, writing into ``out``: its JSON and stdout."""
     capture = out / "stdout.txt"
     with capture.open("w") as stdout, contextlib.redirect_stdout(stdout):
         code = main(
-            [
-                "bench",
-                "loader",
-                "--ranks=4",
-                "--tp=2",
-                "--pp=2",
-                "--size-gb=0.005",
-                f"--workdir={out}",
-                f"--json={out / 'bench.json'}",
-            ]
+            ["bench", "loader", *arguments, f"--workdir={out}", f"--json={out / 'bench.json'}"]
         )
     assert code == 0, capture.read_text()
     return json.loads((out / "bench.json").read_text()), capture.read_text()
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
+    out = tmp_path_factory.mktemp("bench")
+    return run_bench(out, "--ranks=4", "--tp=2", "--pp=2", "--size-gb=0.005")
 
 
 def runs(results: dict) -> list[dict]:
@@ -105,3 +102,24 @@ def test_bytes_read_follow_each_strategys_io_pattern(
     assert read["stage_reader"] == read["megastart"]
     # every rank reads its TP slices: each sharded tensor once per stage, the norms twice.
     assert read["megastart"] <= read["mmap_slices"] < 1.1 * read["megastart"]
+
+
+def test_two_simulated_nodes_send_the_second_only_what_it_needs(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """TP2 x PP2 on two nodes of two ranks: node 1 holds stage 1, so less than the
+    checkpoint crosses between the nodes, and the weights are the same as mmap_slices'."""
+    results, table = run_bench(
+        tmp_path_factory.mktemp("nodes"),
+        "--ranks=4",
+        "--tp=2",
+        "--pp=2",
+        "--ranks-per-node=2",
+        "--size-gb=0.005",
+        "--strategies=megastart,mmap_slices",
+        "--page-cache=warm",
+    )
+    between = results["strategies"]["megastart"]["bytes_between_nodes"]
+    assert 0 < between < results["checkpoint_bytes"]
+    assert results["strategies"]["mmap_slices"]["weights_match_megastart"]
+    assert "2 simulated nodes of 2 ranks" in table

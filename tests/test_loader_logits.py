@@ -21,6 +21,9 @@ from megastart.launch import RankPool
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
+RANKS_PER_NODE = 2
+"""The logits tests simulate nodes of two ranks (``LOCAL_RANK``)."""
+
 LAYOUTS: dict[str, tuple[int, dict[str, int]]] = {
     "tp2": (2, {"tp": 2}),
     "pp2": (2, {"pp": 2}),
@@ -70,19 +73,21 @@ def assert_logits_match(results: list[tuple[Any, torch.Tensor]], expected: torch
 def test_logits_match_transformers(
     rank_pools: Any, checkpoints: Any, arch: str, layout: str, tied: bool
 ) -> None:
+    """On nodes of two ranks: the 2-rank layouts on the reader's node alone; the 4-rank ones
+    on the reader's node and a second node, which receives what it needs once."""
     world, parallel = LAYOUTS[layout]
     directory, expected = checkpoints(arch, tied)
-    results = rank_pools[world].run(load_and_forward, directory, parallel, {})
+    results = rank_pools[world].run(load_as_nodes, directory, parallel, RANKS_PER_NODE, {})
     assert_logits_match(results, expected)
     report = results[0][0]
     assert report.reader_ranks == (0,)
     assert report.bytes_read == sum(
         p.stat().st_size for p in Path(directory).glob("*.safetensors")
     ) - _header_bytes(directory)
-    if parallel.get("tp", 1) > 1:  # every tensor sent once (fp32 in, fp32 out)
-        assert report.bytes_broadcast >= report.bytes_read
-    else:  # pp2: stage 0's tensors stay on the reader, which is stage 0's only rank
-        assert 0 < report.bytes_broadcast < report.bytes_read
+    if world == RANKS_PER_NODE:  # one node: its ranks read the reader's shared memory
+        assert report.bytes_broadcast == 0
+    else:  # each bucket crosses to the second node at most once (fp32 in, fp32 out)
+        assert 0 < report.bytes_broadcast <= report.bytes_read
 
 
 def test_uneven_pipeline_stages(rank_pools: Any, checkpoints: Any) -> None:
@@ -114,7 +119,7 @@ def test_node_readers_each_read_the_checkpoint_once_for_their_node(
     rank_pools: Any, checkpoints: Any
 ) -> None:
     directory, expected = checkpoints("llama", False)
-    results = rank_pools[4].run(load_as_nodes, directory, {"tp": 2}, 2)
+    results = rank_pools[4].run(load_as_nodes, directory, {"tp": 2}, 2, {"reader": "node"})
     assert_logits_match(results, expected)
     single = rank_pools[4].run(load_and_forward, directory, {"tp": 2}, {})[0][0]
     report = results[0][0]
@@ -151,10 +156,11 @@ def _header_bytes(directory: str) -> int:
     return total
 
 
-def test_world_of_eight_dp2_tp2_pp2(checkpoints: Any) -> None:
+def test_world_of_eight_dp2_tp2_pp2_on_four_nodes(checkpoints: Any) -> None:
+    """Four nodes of two ranks: three leaders relay what their node needs."""
     directory, expected = checkpoints("qwen2", True)
     with RankPool(8, timeout_s=300) as pool:
-        results = pool.run(load_and_forward, directory, {"tp": 2, "pp": 2}, {})
+        results = pool.run(load_as_nodes, directory, {"tp": 2, "pp": 2}, RANKS_PER_NODE, {})
     assert_logits_match(results, expected)
 
 
@@ -170,14 +176,15 @@ def test_loader_destroys_its_own_process_groups(
         assert after == before
 
 
-def test_each_bucket_is_broadcast_to_the_ranks_of_its_stage_only(
+def test_each_bucket_crosses_once_to_the_node_that_needs_it(
     rank_pools: Any, checkpoints: Any
 ) -> None:
+    """TP2 x PP2 on two nodes of two ranks: node 0 holds stage 0 and the reader, node 1 stage 1.
+    Only node 1's leader receives bytes over a socket, and only stage 1's; its other rank and
+    the reader's node take theirs from shared memory."""
     directory, _ = checkpoints("llama", False)  # untied: no tensor is needed by both stages
-    results = rank_pools[4].run(load_counting_received_bytes, directory, {"tp": 2, "pp": 2})
-    (_, reader_received, report), *receivers = results
-    received = {stage: got for stage, got, _ in receivers}  # rank 1: stage 0; ranks 2, 3: stage 1
-    assert reader_received == 0
-    assert [got for _, got, _ in receivers] == [received[0], received[1], received[1]]
-    assert received[0] + received[1] == report.bytes_broadcast  # each bucket to one stage
-    assert 0 < received[1] < report.bytes_broadcast and 0 < received[0] < report.bytes_broadcast
+    results = rank_pools[4].run(load_counting_received_bytes, directory, {"tp": 2, "pp": 2}, 2)
+    report = results[0][2]
+    assert [stage for stage, _, _ in results] == [0, 0, 1, 1]
+    assert [got for _, got, _ in results] == [0, 0, report.bytes_broadcast, 0]
+    assert 0 < report.bytes_broadcast < report.bytes_read  # stage 0's tensors stay on node 0

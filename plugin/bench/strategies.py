@@ -57,13 +57,18 @@ _STATE: dict[str, Any] = {}
 # --- rank functions (run through RankPool.run) -------------------------------
 
 
-def build_model(checkpoint: str, layout: dict[str, Any]) -> None:
+def build_model(checkpoint: str, layout: dict[str, Any], device: str = "cpu") -> None:
     """Initialise Megatron for ``layout`` and build this rank's chunks in ``layout["dtype"]``
-    (a torch dtype name), by default the checkpoint's."""
+    (a torch dtype name), by default the checkpoint's, on ``device``.
+
+    For ``cuda`` the chunks are built on CPU and moved to this rank's GPU (rank modulo the
+    GPUs visible: several ranks may share one), and the CPU shims are removed again.
+    """
     import torch
+    import torch.distributed as dist
     from transformers import AutoConfig
 
-    from megastart.demo.cpu import initialize_megatron
+    from megastart.demo.cpu import initialize_megatron, remove_shims
     from megastart.demo.model import build_gpt_chunks
     from megastart.loader.checkpoint import read_metadata
 
@@ -72,25 +77,48 @@ def build_model(checkpoint: str, layout: dict[str, Any]) -> None:
     dtype = getattr(torch, layout.get("dtype") or max(set(dtypes), key=dtypes.count))
     initialize_megatron(tp=layout["tp"], pp=layout["pp"], vpp=layout["vpp"], ep=layout["ep"])
     hf_config = AutoConfig.from_pretrained(checkpoint)
-    _STATE.update(chunks=build_gpt_chunks(hf_config, dtype=dtype), meta=meta)
+    chunks = build_gpt_chunks(hf_config, dtype=dtype)
+    if device == "cuda":
+        remove_shims()
+        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+        chunks = [chunk.to("cuda") for chunk in chunks]
+    _STATE.update(chunks=chunks, meta=meta, device=device)
 
 
 def load(strategy: str, checkpoint: str, megastart_options: dict[str, Any]) -> dict[str, Any]:
-    """Load with ``strategy``, timed between two barriers: wall seconds and bytes this rank read.
+    """Load with ``strategy``, timed between two barriers: wall seconds, bytes this rank read,
+    bytes sent between nodes (megastart's report; on rank 0), and on CUDA the GPU memory the
+    load allocated beyond the parameters (peak).
 
     :param megastart_options: ``Rank0LoaderSettings`` fields for the ``megastart`` strategy.
     """
+    import torch
     import torch.distributed as dist
 
     chunks = _STATE["chunks"]
+    on_cuda = _STATE["device"] == "cuda"
+    if on_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        gpu_before = torch.cuda.memory_allocated()
     dist.barrier()
     start = time.perf_counter()
+    between_nodes = 0
     if strategy == "megastart":
-        bytes_read = _megastart(chunks, checkpoint, megastart_options)
+        bytes_read, between_nodes = _megastart(chunks, checkpoint, megastart_options)
     else:
         bytes_read = _BASELINES[strategy](chunks, checkpoint)
+    if on_cuda:
+        torch.cuda.synchronize()
     dist.barrier()
-    return {"wall_s": time.perf_counter() - start, "bytes_read": bytes_read}
+    wall_s = time.perf_counter() - start
+    gpu_extra = torch.cuda.max_memory_allocated() - gpu_before if on_cuda else 0
+    return {
+        "wall_s": wall_s,
+        "bytes_read": bytes_read,
+        "bytes_between_nodes": between_nodes,
+        "gpu_peak_extra_bytes": gpu_extra,
+    }
 
 
 def settle() -> None:
@@ -108,7 +136,7 @@ def checksum() -> str:
     for i, chunk in enumerate(_STATE["chunks"]):
         for name, param in sorted(chunk.named_parameters()):
             digest.update(f"{i}:{name}:{param.dtype}:{tuple(param.shape)}".encode())
-            digest.update(param.detach().contiguous().view(-1).view(torch.uint8).numpy())
+            digest.update(param.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
     return digest.hexdigest()
 
 
@@ -122,15 +150,17 @@ def teardown() -> None:
 # --- the strategies: (chunks, checkpoint) -> bytes this rank read -------------
 
 
-def _megastart(chunks: list[Any], checkpoint: str, options: dict[str, Any]) -> int:
+def _megastart(chunks: list[Any], checkpoint: str, options: dict[str, Any]) -> tuple[int, int]:
     import torch.distributed as dist
 
     from megastart import load_hf_checkpoint
     from megastart.loader.settings import Rank0LoaderSettings
 
     report = load_hf_checkpoint(chunks, checkpoint, settings=Rank0LoaderSettings(**options))
-    # The report counts the bytes every reader read; charge them to the first reader.
-    return report.bytes_read if dist.get_rank() == min(report.reader_ranks) else 0
+    # The report counts what every reader read and sent; charge it to the first reader.
+    if dist.get_rank() == min(report.reader_ranks):
+        return report.bytes_read, report.bytes_broadcast
+    return 0, 0
 
 
 def _every_rank_full(chunks: list[Any], checkpoint: str) -> int:
@@ -175,7 +205,7 @@ def _stage_reader(chunks: list[Any], checkpoint: str) -> int:
                 shards = [
                     _assemble(need, inputs, _with_tp_rank(shard, r), param) for r in range(tp_size)
                 ]
-            received = torch.empty_like(param)
+            received = torch.empty(param.shape, dtype=param.dtype)  # gloo scatters host memory
             dist.scatter(received, shards, src=src, group=tp_group)
             _write(need, [(0, received.shape[0], received)])
         del hf_weights
@@ -295,10 +325,10 @@ def _write(need: Need, pieces: Iterator[Piece]) -> None:
 
 
 def _assemble(need: Need, inputs: list[Any], shard: Shard, like: torch.Tensor) -> torch.Tensor:
-    """One TP rank's whole shard as a tensor (what mbridge scatters)."""
+    """One TP rank's whole shard as a host tensor (what mbridge scatters)."""
     import torch
 
-    out = torch.empty_like(like)
+    out = torch.empty(like.shape, dtype=like.dtype)
     for first, stop, block in _pieces(need, inputs, shard):
         out[first:stop].copy_(block)
     return out

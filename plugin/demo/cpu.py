@@ -110,6 +110,12 @@ def destroy_megatron() -> None:
         for group in _process_groups() - _GROUPS_BEFORE:
             dist.destroy_process_group(group)
         _GROUPS_BEFORE.clear()
+    remove_shims()
+
+
+def remove_shims() -> None:
+    """Undo the CPU shims, keeping Megatron's parallel state: a model built on CPU and moved
+    to a GPU (``megastart bench loader --device cuda``) then runs CUDA code unshimmed."""
     while _SAVED:
         owner, name, original = _SAVED.pop()
         if original is _ABSENT:

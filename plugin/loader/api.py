@@ -3,8 +3,9 @@
 1. metadata: rank 0 reads ``config.json`` and the safetensors headers, broadcasts them;
 2. plan: every rank maps its parameters to HF tensors and checks shapes; the
    demands are all-gathered and every rank computes the same buckets;
-3. stream: each reader broadcasts its group's buckets, every rank copies its
-   shards into its parameters;
+3. stream: each reader reads its group's buckets once; each crosses to every
+   other node that needs it once, and every rank copies its shards out of its
+   node's shared memory;
 4. verify: every element of every local parameter was written exactly once.
 
 Before any of them the ranks check in (a rank that never calls is named) and
@@ -44,15 +45,10 @@ from megastart.loader.plan import (
     receiver_sets,
     unused_tensors,
 )
+from megastart.loader.route import open_route
 from megastart.loader.settings import Rank0LoaderSettings
 from megastart.loader.stream import Stream
-from megastart.loader.transport import (
-    Channel,
-    node_key,
-    open_data_groups,
-    open_receiver_groups,
-    reader_groups,
-)
+from megastart.loader.transport import node_key, reader_groups
 from megastart.loader.verify import Coverage
 from megastart.records import LoadReport
 
@@ -213,14 +209,7 @@ def _load(
         plan = build_plan(
             [by_rank[r].demands for r in group], meta, bucket_bytes=int(settings.bucket_mb * 2**20)
         )
-        every_receiver_set = sorted(
-            {
-                tuple(members[i] for i in positions)
-                for members in groups
-                for positions in receiver_sets([by_rank[r].demands for r in members])
-                if len(positions) < len(members)  # the whole reader group has its data group
-            }
-        )
+        sets = [receiver_sets([by_rank[r].demands for r in members]) for members in groups]
         backend = _backend(settings.transport, {r.device for r in by_rank})
     if unused and rank == 0:
         log.warning("megastart: %s", _unused_message(unused, checkpoint, strict=False))
@@ -234,20 +223,12 @@ def _load(
             ", ".join(table.value_head_sources),
         )
 
-    # Not the control group, even for one gloo reader group: after a failure in the
-    # stream, broadcasts may be left pending there, and the verdict must not meet them.
-    data_group = open_data_groups(groups, own, backend=backend)
-    receivers = {tuple(group): data_group}
-    receivers |= open_receiver_groups(every_receiver_set, own, backend=backend)
+    nodes = [r.node for r in by_rank]
+    route = open_route(groups, nodes, sets, own, backend=backend, device=device, board=board)
     coverage = Coverage()
     with phase(f"{PLUGIN}: streaming {checkpoint!r} and verifying the coverage") as loaded:
-        channel = Channel(
-            data_group, group[0], device if backend == "nccl" else _cpu(), receivers, board
-        )
-        stream = Stream(plan, needs, tensors, shard, coverage, channel, group)
-        read, sent = (
-            stream.run_reader(meta, settings) if rank == group[0] else stream.run_receiver()
-        )
+        stream = Stream(plan, needs, tensors, shard, coverage, route)
+        read, sent = stream.run(meta, settings)
         coverage.check([n.param for n in needs])  # every parameter but those left to the host
         loaded.share(Streamed(read, sent))
     moved: list[Streamed] = loaded.shared

@@ -21,6 +21,7 @@ import json
 import os
 import posixpath
 import struct
+import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -342,27 +343,44 @@ ITEMSIZE = {
 class TensorReader:
     """Reads tensors of one checkpoint into caller-provided buffers; counts the bytes read.
 
-    Used by the reader rank's prefetch thread only. Files are opened once and
-    kept open until :meth:`close`.
+    Used by the reader rank's prefetch threads only; safetensors reads may run
+    in several threads at once. Files are opened once and kept open until
+    :meth:`close`.
     """
 
     def __init__(self, meta: CheckpointMeta) -> None:
         self.meta = meta
         self.bytes_read = 0
-        self.reading: TensorEntry | None = None
-        """The tensor being read now (``None`` between reads), to name a stalled read."""
         self._files: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._reads: dict[int, TensorEntry] = {}
+        """The tensor each thread is reading now, by thread, oldest read first."""
+
+    @property
+    def reading(self) -> TensorEntry | None:
+        """The tensor of the oldest read in progress (``None`` between reads), to name a stalled read."""
+        with self._lock:
+            return next(iter(self._reads.values()), None)
 
     def read_into(self, entry: TensorEntry, out: torch.Tensor, first_row: int = 0) -> None:
         """Fill ``out`` (contiguous, any dtype) with the tensor's rows from ``first_row`` on, converting.
 
         ``out`` has the shape of the rows read: the whole tensor's, or a dim-0 range of it.
         """
+        stop = first_row + (out.shape[0] if out.dim() else 1)
+        thread = threading.get_ident()
+        with self._lock:
+            self._reads[thread] = entry
+        try:
+            self._read_rows(entry, out, first_row, stop)
+        finally:
+            with self._lock:
+                del self._reads[thread]
+
+    def _read_rows(self, whole: TensorEntry, out: torch.Tensor, first_row: int, stop: int) -> None:
         import torch
 
-        stop = first_row + (out.shape[0] if out.dim() else 1)
-        whole = self.reading = entry
-        entry = entry.row_range(first_row, stop)
+        entry = whole.row_range(first_row, stop)
         dtype = getattr(torch, entry.dtype)
         if self.meta.format == "bin":
             tensor = self._bin_file(entry.file)[entry.name]
@@ -373,10 +391,10 @@ class TensorReader:
             staging = torch.empty(entry.shape, dtype=dtype)
             read_exact(self._file(entry.file), entry, staging.view(torch.uint8).reshape(-1).numpy())
             out.copy_(staging)
-        self.bytes_read += (
-            entry.end - entry.start if entry.start >= 0 else out.numel() * ITEMSIZE[entry.dtype]
-        )
-        self.reading = None
+        with self._lock:
+            self.bytes_read += (
+                entry.end - entry.start if entry.start >= 0 else out.numel() * ITEMSIZE[entry.dtype]
+            )
 
     def close(self) -> None:
         for f in self._files.values():
@@ -385,9 +403,10 @@ class TensorReader:
         self._files.clear()
 
     def _file(self, name: str) -> Any:
-        if name not in self._files:
-            self._files[name] = open(Path(self.meta.directory) / name, "rb", buffering=0)
-        return self._files[name]
+        with self._lock:
+            if name not in self._files:
+                self._files[name] = open(Path(self.meta.directory) / name, "rb", buffering=0)
+            return self._files[name]
 
     def _bin_file(self, name: str) -> dict[str, torch.Tensor]:
         if name not in self._files:

@@ -14,25 +14,27 @@ BUCKET_MB_RANGE = (0.01, 1024.0)
 class Rank0LoaderSettings:
     reader: Literal["global", "node"] = "global"
     """``global``: global rank 0 reads, the checkpoint is read once per job;
-    ``node``: local rank 0 of each node reads and broadcasts inside its node."""
+    ``node``: local rank 0 of each node reads for its node."""
 
     transport: Literal["auto", "nccl", "gloo"] = "auto"
-    """The backend of the loader's own process group (destroyed after the load);
-    ``auto``: NCCL for CUDA parameters, gloo for CPU ones."""
+    """The backend between node leaders, in process groups of the loader's own
+    (destroyed after the load); ``auto``: NCCL for CUDA parameters, gloo for CPU
+    ones. Inside a node the ranks read the node's shared memory."""
 
     bucket_mb: float = 32.0
     """Tensors are streamed in buckets of at most this many MiB (a tensor larger than
-    that travels as row blocks in several buckets). Transient memory is about one
-    bucket per receiving rank and two on the reader, whatever the largest tensor.
-    32: on ``megastart bench loader`` (1 GB Qwen2, TP2 x PP2, gloo) it loads faster
-    than 64 or 256 (smaller messages let the read of the next bucket and the
-    broadcast tree's hops overlap sooner) and keeps the transient node memory near
-    0.17 GB, over 20x below every rank loading the checkpoint; 32 MiB messages
-    already reach a broadcast's bandwidth (gloo here, NCCL on NVLink).
+    that travels as row blocks in several buckets). Transient memory is about three
+    buckets of shared memory per node, whatever the largest tensor. 32: on
+    ``megastart bench loader`` (1 GB Qwen2, TP2 x PP2, gloo) it loaded faster than
+    64 or 256 when buckets travelled by broadcast (smaller messages let the read of
+    the next bucket and the broadcast tree's hops overlap sooner); three 32 MiB
+    slots keep a node's transient memory near 0.1 GB; 32 MiB messages already
+    reach a broadcast's bandwidth between nodes (gloo here, NCCL on NVLink).
     Accepted: 0.01 to 1024. Below 10 KiB each bucket's fixed cost (a header
     broadcast, a read call) outweighs its bytes; above 1 GiB the memory bound
-    stops being one: every rank of a node holds two buckets (on CUDA two more on
-    its GPU), 16 GiB and more on an 8-GPU node, for no faster transfer."""
+    stops being one: a node holds three buckets of shared memory (page-locked on
+    CUDA; a node leader two more on its GPU for NCCL between nodes), 3 GiB and
+    more per node, for no faster transfer."""
 
     timeout_s: float = 300.0
     """Upper bound on any single collective of the load."""

@@ -1,19 +1,36 @@
-"""The stream phase: the reader sends every bucket, each rank copies its shards into its parameters.
+"""The stream phase on one rank: read or receive each bucket once per node, copy this rank's shards.
 
-One :class:`Stream` per rank and load. The reader (the first rank of its
-reader group) reads buckets ahead in a background thread (``transport``'s
-:class:`~megastart.loader.transport.Prefetcher`), broadcasts each to the ranks
-that need it, :data:`~megastart.loader.transport.IN_FLIGHT` at a time, and
-applies it to its own parameters while the next travels; a receiver posts its
-receives the same way and applies each bucket once it has arrived. What a rank
-applies is decided by its needs: the transform of each HF tensor into the
-parameter slice this rank holds, recorded in the coverage.
+Three roles (:mod:`megastart.loader.route`):
+
+* the **reader** (first rank of its reader group, leader of its node) reads
+  each bucket, in a background thread (:class:`~megastart.loader.transport.Prefetcher`),
+  straight into one of its node's shared slots, broadcasts it to the other
+  nodes' leaders that need it, and announces the slot to its node's ranks;
+* a **leader** of another node receives the buckets its node needs straight
+  into its node's shared slots and announces them;
+* every other rank waits for its node's announcements and copies its slices
+  out of the shared slot.
+
+Every rank applies a bucket (the transform of each HF tensor into the slice
+of each of its parameters that this rank holds, recorded in the coverage)
+from its node's shared memory: into CPU parameters with one copy; into CUDA
+parameters with one host-to-device copy per rank from the page-locked slot,
+so a node's GPUs fill in parallel over their own links. A slot is refilled
+once every local rank has reported it read; :data:`IN_FLIGHT` buckets are in
+use at once, and one more slot is being filled.
+
+Every wait of a rank on another (a header, a broadcast, a slot's reports,
+the reader's read-ahead) looks at the load's
+:class:`~megastart.distributed.Board` between slices: a failure anywhere
+stops it at once, and a stall is named after ``timeout_s``.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -21,17 +38,22 @@ from megastart.distributed import CollectiveError
 from megastart.loader.checkpoint import CheckpointMeta, TensorReader
 from megastart.loader.plan import Need, Plan
 from megastart.loader.progress import Progress
+from megastart.loader.route import Route
 from megastart.loader.settings import Rank0LoaderSettings
+from megastart.loader.shm import Segment
 from megastart.loader.transforms import TRANSFORMS, Shard
-from megastart.loader.transport import IN_FLIGHT, Channel, Prefetcher, ReaderError, slot_view
+from megastart.loader.transport import IN_FLIGHT, Prefetcher, ReaderError, slot_view
 from megastart.loader.verify import Coverage
 
 if TYPE_CHECKING:
     import torch
 
+SLOTS = IN_FLIGHT + 1
+"""Bucket-sized slots per node: :data:`IN_FLIGHT` in use, one being filled."""
+
 
 class Stream:
-    """One rank's side of the stream: send (reader) or receive, then copy shards into parameters."""
+    """One rank's side of the stream of one load."""
 
     def __init__(
         self,
@@ -40,127 +62,238 @@ class Stream:
         tensors: dict[tuple[int, str], torch.Tensor],
         shard: Shard,
         coverage: Coverage,
-        channel: Channel,
-        group: list[int],
+        route: Route,
     ) -> None:
         self.plan = plan
         self.tensors = tensors
         self.shard = shard
         self.coverage = coverage
-        self.channel = channel
-        self.ranks = [tuple(group[i] for i in bucket.ranks) for bucket in plan.buckets]
-        """Global ranks each bucket is broadcast to (the reader first)."""
+        self.route = route
         self.consumers: dict[str, list[tuple[Need, int]]] = {}
         """HF tensor name -> this rank's needs that take it, and as which input."""
         for need in needs:
             for index, name in enumerate(need.hf):
                 self.consumers.setdefault(name, []).append((need, index))
+        self.local = route.local_buckets(plan)
+        """The buckets announced inside this rank's node, in order."""
+        self._announced = 0
+        """How many of :attr:`local` the leader has announced."""
 
-    def run_reader(self, meta: CheckpointMeta, settings: Rank0LoaderSettings) -> tuple[int, int]:
-        """Read, broadcast and apply every bucket; returns (bytes read, bytes broadcast)."""
+    def run(self, meta: CheckpointMeta, settings: Rank0LoaderSettings) -> tuple[int, int]:
+        """Stream every bucket this rank takes part in; returns (bytes read, bytes sent between nodes)."""
+        if self.route.position == 0:
+            return self._read(meta, settings)
+        if self.route.leads:
+            return self._relay()
+        return self._take()
+
+    def _read(self, meta: CheckpointMeta, settings: Rank0LoaderSettings) -> tuple[int, int]:
         import torch
 
-        device = self.channel.device
-        on_cuda = device.type == "cuda"
         reader = TensorReader(meta)
-        # On CPU gloo sends from the host buffer itself, so each one in flight holds one;
-        # on CUDA a host buffer is free once copied to its staging buffer on the GPU.
-        prefetch = Prefetcher(
-            reader,
-            self.plan,
-            buffers=2 if on_cuda else IN_FLIGHT + 1,
-            pin=on_cuda,
-            board=self.channel.board,
-        )
         progress = Progress(self.plan.nbytes, enabled=settings.progress)
-        staging = [
-            torch.empty(
-                self.plan.max_bucket_bytes if on_cuda else 0, dtype=torch.uint8, device=device
-            )
-            for _ in range(IN_FLIGHT)
-        ]
-        in_flight: deque[tuple[Any, Callable[[], None]]] = deque()
+        leaders = self.route.leaders
+        staging = self._staging()
+        in_use: deque[_InUse] = deque()
         sent = 0
-        try:
-            for index, bucket in enumerate(self.plan.buckets):
-                try:
-                    host = prefetch.next()
-                except CollectiveError:  # a stall or a peer's failure: on the board already
-                    raise
-                except BaseException as e:
-                    while in_flight:  # what was announced is delivered before the error
-                        self._finish(*in_flight.popleft())
-                    self.channel.send_error(
-                        f"reader rank {self.channel.src} failed: {type(e).__name__}: {e}"
-                    )
-                    raise
-                payload = host[: bucket.nbytes]
-                if on_cuda:
-                    payload = staging[index % IN_FLIGHT][: bucket.nbytes]
-                    payload.copy_(host[: bucket.nbytes], non_blocking=True)
-                    copied = torch.cuda.Event()
-                    copied.record()  # the host buffer may be refilled once this has passed
-                    prefetch.release(host, copied)
-                    done = _nothing
-                else:
-                    done = partial(prefetch.release, host)
-                in_flight.append((self.channel.send(payload, self.ranks[index]), done))
-                sent += bucket.nbytes if len(self.ranks[index]) > 1 else 0
-                self._apply(index, payload)
-                progress.advance(bucket.nbytes)
-                if len(in_flight) == IN_FLIGHT:
-                    self._finish(*in_flight.popleft())
-            while in_flight:
-                self._finish(*in_flight.popleft())
-            self._drain()
-        finally:
-            prefetch.close()
+        with self._slots() as slots:
+            prefetch = Prefetcher(reader, self.plan, slots, board=self.route.board)
+            try:
+                for index, bucket in enumerate(self.plan.buckets):
+                    try:
+                        slot, host = prefetch.next()
+                    except CollectiveError:  # a stall or a peer's failure: on the board already
+                        raise
+                    except BaseException as e:
+                        for used in in_use:  # what was announced is delivered before the error
+                            self._deliver(used)
+                        self._fail(
+                            f"reader rank {self.route.group[0]} failed: {type(e).__name__}: {e}"
+                        )
+                        raise
+                    payload = host[: bucket.nbytes]
+                    used = _InUse()
+                    copied = None
+                    if leaders is not None:
+                        wire = payload
+                        if staging:  # NCCL between nodes: the slot travels from the GPU
+                            wire = staging[index % IN_FLIGHT][: bucket.nbytes]
+                            wire.copy_(payload, non_blocking=True)
+                            copied = torch.cuda.Event()
+                            copied.record()
+                        to = self.route.leaders_for(bucket.ranks)
+                        used.sends.append(leaders.send(wire, to))
+                        sent += bucket.nbytes if len(to) > 1 else 0
+                    used.done = self._announce(index, slot, bucket.nbytes)
+                    used.release = partial(prefetch.release, slot, copied)
+                    self._apply(index, payload)
+                    progress.advance(bucket.nbytes)
+                    in_use.append(used)
+                    if len(in_use) == IN_FLIGHT:
+                        self._finish(in_use.popleft())
+                while in_use:
+                    self._finish(in_use.popleft())
+                self._drain()
+            finally:
+                prefetch.close()
         return reader.bytes_read, sent
 
-    def run_receiver(self) -> tuple[int, int]:
-        """Receive this rank's buckets, ``IN_FLIGHT`` at a time, applying each once it has arrived."""
+    def _relay(self) -> tuple[int, int]:
+        """Another node's leader: receive its node's buckets into the shared slots, announce them."""
         import torch
 
-        buffers = [
-            torch.empty(self.plan.max_bucket_bytes, dtype=torch.uint8, device=self.channel.device)
-            for _ in range(IN_FLIGHT)
-        ]
-        in_flight: deque[tuple[Any, Callable[[], None]]] = deque()
-        received = 0
-        try:
-            for index, ranks in enumerate(self.ranks):
-                nbytes = self.plan.buckets[index].nbytes
-                started = self.channel.receive(buffers[received % IN_FLIGHT], ranks, nbytes)
+        leaders = self.route.leaders
+        assert leaders is not None
+        staging = self._staging()
+        in_use: deque[_InUse] = deque()
+        with self._slots() as slots:
+            free = deque(range(len(slots)))
+            for index, bucket in enumerate(self.plan.buckets):
+                to = self.route.leaders_for(bucket.ranks)
+                target = staging[index % IN_FLIGHT] if staging else slots[free[0]]
+                try:
+                    started = leaders.receive(target, to, bucket.nbytes)
+                except ReaderError as e:
+                    self._fail(str(e))
+                    raise
                 if started is None:
                     continue
+                slot = free.popleft()
                 payload, work = started
-                received += 1
-                in_flight.append((work, partial(self._apply, index, payload)))
-                if len(in_flight) == IN_FLIGHT:
-                    self._finish(*in_flight.popleft())
-        except ReaderError:
-            while in_flight:  # the reader sent these before its error: take them off the wire
-                self.channel.wait(in_flight.popleft()[0], "a bucket sent before the error")
-            raise
-        while in_flight:
-            self._finish(*in_flight.popleft())
-        self._drain()
+                leaders.wait(work, "a bucket's broadcast")
+                if staging:
+                    slots[slot][: bucket.nbytes].copy_(payload)
+                    torch.cuda.current_stream().synchronize()
+                payload = slots[slot][: bucket.nbytes]
+                done = self._announce(index, slot, bucket.nbytes)
+                self._apply(index, payload)
+                in_use.append(_InUse(done=done, release=partial(free.append, slot)))
+                if len(in_use) == IN_FLIGHT:
+                    self._finish(in_use.popleft())
+            while in_use:
+                self._finish(in_use.popleft())
+            self._drain()
         return 0, 0
 
-    def _finish(self, work: Any, then: Callable[[], None]) -> None:
-        """Wait for one broadcast in flight (bounded, watching the board), then run ``then``."""
-        if work is not None:
-            self.channel.wait(work, "a bucket's broadcast")
-        then()
+    def _take(self) -> tuple[int, int]:
+        """A rank that leads nothing: copy its slices out of each announced slot."""
+        import torch
+        import torch.distributed as dist
+
+        local = self.route.local
+        assert local is not None
+        reported: deque[Any] = deque()
+        with self._slots() as slots:
+            for index in self.local:
+                bucket = self.plan.buckets[index]
+                slot = local.announced(bucket.nbytes, slots[0].numel(), len(slots))
+                self._apply(index, slots[slot][: bucket.nbytes])
+                reported.append(
+                    dist.all_reduce(torch.zeros(1), group=self.route.done, async_op=True)
+                )
+                if len(reported) == IN_FLIGHT:
+                    self._reported(reported.popleft())
+            while reported:
+                self._reported(reported.popleft())
+        return 0, 0
+
+    def _announce(self, index: int, slot: int, nbytes: int) -> Any:
+        """Tell the node's other ranks that bucket ``index`` is in ``slot``, if one needs it;
+        returns the report of their having read it, in flight (``None`` if none needs it)."""
+        import torch
+        import torch.distributed as dist
+
+        local = self.route.local
+        if (
+            local is None
+            or self._announced == len(self.local)
+            or self.local[self._announced] != index
+        ):
+            return None
+        local.announce(nbytes, slot)
+        self._announced += 1
+        return dist.all_reduce(torch.zeros(1), group=self.route.done, async_op=True)
+
+    def _deliver(self, used: _InUse) -> None:
+        """Wait until a bucket's broadcasts to other nodes are done (watching the board)."""
+        for work in used.sends:
+            if work is not None:
+                assert self.route.leaders is not None
+                self.route.leaders.wait(work, "a bucket's broadcast")
+
+    def _finish(self, used: _InUse) -> None:
+        """Wait until no rank reads a bucket's slot any more (watching the board); free the slot."""
+        self._deliver(used)
+        if used.done is not None:
+            self._reported(used.done)
+        if used.release is not None:
+            used.release()
+
+    def _reported(self, work: Any, what: str = "copied their slices of a bucket") -> None:
+        """Wait for the node's ranks' report over :attr:`Route.done` (watching the board)."""
+        ranks = [self.route.group[p] for p in self.route.node]
+        self.route.board.wait_work(work, f"the reports of node ranks {ranks} that they {what}")
+
+    def _fail(self, message: str) -> None:
+        """Pass the reader's failure on: to the other leaders (the reader), and to this node's
+        ranks while they still wait for an announcement."""
+        if self.route.position == 0 and self.route.leaders is not None:
+            self.route.leaders.send_error(message)
+        if self.route.local is not None and self._announced < len(self.local):
+            self.route.local.send_error(message)
+
+    @contextmanager
+    def _slots(self) -> Iterator[list[torch.Tensor]]:
+        """The node's bucket slots: a shared segment for a node of several ranks (made by the
+        leader, mapped by all, its name removed once all have mapped it), private memory otherwise."""
+        import torch
+        import torch.distributed as dist
+
+        size = self.plan.max_bucket_bytes
+        pin = self.route.device.type == "cuda"
+        local = self.route.local
+        if local is None:
+            yield [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(SLOTS)]
+            return
+        segment = _open_segment(self.route, SLOTS * size)
+        try:
+            mapped = dist.barrier(group=self.route.done, async_op=True)
+            self._reported(mapped, "mapped the shared segment")
+            if self.route.leads:
+                segment.unlink()
+            if pin:
+                segment.pin()
+            assert segment.tensor is not None
+            # The leader's slot size: a rank whose plan differs learns it from the first header.
+            size = segment.nbytes // SLOTS
+            yield [segment.tensor[i * size : (i + 1) * size] for i in range(SLOTS)]
+        finally:
+            if self.route.leads:
+                segment.unlink()
+            segment.close()
+
+    def _staging(self) -> list[torch.Tensor]:
+        """GPU buffers for NCCL between node leaders (none for gloo, or a single node)."""
+        import torch
+
+        leaders = self.route.leaders
+        if leaders is None or leaders.device.type != "cuda":
+            return []
+        size = self.plan.max_bucket_bytes
+        return [
+            torch.empty(size, dtype=torch.uint8, device=leaders.device) for _ in range(IN_FLIGHT)
+        ]
 
     def _drain(self) -> None:
         """Wait for the queued copies and broadcasts: the loader's groups are destroyed next."""
         import torch
 
-        if self.channel.device.type == "cuda":
+        if self.route.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
 
     def _apply(self, index: int, payload: torch.Tensor) -> None:
+        """Copy this rank's slices of bucket ``index`` into its parameters; returns once the
+        copies are done (the slot may be refilled then)."""
         import torch
 
         with torch.no_grad():
@@ -174,9 +307,32 @@ class Stream:
                         need.param.shape,
                         self.shard,
                     ):
-                        param.data[first:stop].copy_(piece)
+                        param.data[first:stop].copy_(piece, non_blocking=True)
                         self.coverage.record(need.param, first, stop)
+        if self.route.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
 
 
-def _nothing() -> None:
-    pass
+@dataclass(slots=True)
+class _InUse:
+    """A bucket some rank still reads: its broadcasts to other nodes, the node's report, its slot."""
+
+    sends: list[Any] = field(default_factory=list)
+    done: Any = None
+    release: Callable[[], None] | None = None
+
+
+def _open_segment(route: Route, nbytes: int) -> Segment:
+    """The leader makes the node's segment and posts its name on the load's board; the node's
+    other ranks map it whole (a leader that fails is announced there, and they stop)."""
+    key = f"segment/{route.group[route.node[0]]}"
+    if not route.leads:
+        return Segment.open(route.board.read(key, "the name of the node's shared segment"))
+    segment = Segment.create(nbytes)
+    try:
+        route.board.post(key, segment.name)
+    except BaseException:
+        segment.unlink()
+        segment.close()
+        raise
+    return segment

@@ -1,39 +1,39 @@
-"""Moving buckets from the reader to the ranks: reader groups, prefetch, broadcast.
+"""Moving buckets between ranks: reader groups, headers, broadcasts between nodes, read-ahead.
 
-**Why broadcast, and to whom.** Only some ranks need a given tensor (a TP
-shard, one pipeline stage), so a scatter of per-rank slices looks cheaper, but
-it makes the reader's link carry the model once per data-parallel replica and
-per TP-shard overlap. A ring/tree broadcast carries each byte over the
-reader's link once and reaches every rank in about the time one link needs,
-whatever the group size. Each bucket holds tensors that the same ranks need
-(a pipeline stage's, an expert-parallel rank's) and is broadcast to those
-ranks only, in a process group of their own; where a backend broadcasts from
-the root to each receiver (gloo), that divides the reader's traffic by the
-number of stages. The plan only includes tensors some rank of the group needs.
+**Why broadcast between nodes, and to whom.** Only some nodes need a given
+tensor (a pipeline stage's, an expert-parallel rank's), so a scatter of
+per-rank slices looks cheaper, but it makes the reader's link carry the
+model once per data-parallel replica. A ring/tree broadcast carries each byte
+over the reader's link once and reaches every node in about the time one link
+needs. Each bucket holds tensors the same ranks need and is broadcast to the
+leaders of their nodes only, in a process group of their own. Inside a node
+no bytes travel over a socket: see :mod:`megastart.loader.route`.
 
-**Protocol.** Per bucket, the reader broadcasts a two-element header
-``[status, nbytes]`` to the whole reader group and then the payload to the
-bucket's ranks. A reader that fails to read (I/O error, file changed under it)
-sends ``status = 1`` and the error message to the whole group instead, so every
-rank raises that message rather than waiting for bytes that never come. A
-receiver checks the announced size against its plan before it posts a receive
-(gloo aborts the process on a size mismatch). On gloo every wait is sliced
-and looks at the load's :class:`~megastart.distributed.Board` in between: a
-failure on any rank (a receiver out of memory) stops it within a slice, and a
-wait longer than ``timeout_s`` is announced naming what it waited for; NCCL's
-own watchdog bounds its waits.
+**Protocol.** Per bucket, the sender broadcasts a header ``[status, nbytes,
+slot]`` to its whole group (every node leader of the reader group; inside a
+node, every rank of it), then, between nodes, the payload to the leaders
+that need it. A reader that fails to read (I/O error, file changed under it)
+sends ``status = 1`` and the error message instead, so every rank raises
+that message rather than waiting for bytes that never come. A receiver
+checks every announced size against its plan and its buffer before it posts
+a receive (gloo aborts the process on a size mismatch). On gloo every wait
+is sliced and looks at the load's :class:`~megastart.distributed.Board` in
+between: a failure on any rank (a receiver out of memory, a rank killed)
+stops it within a slice, and a wait longer than ``timeout_s`` is announced
+naming what it waited for; NCCL's own watchdog bounds its waits. The
+reader's wait for its read-ahead watches the board too: a read that stalls
+past ``timeout_s`` is named, tensor and file.
 
-**Overlap.** Payloads are broadcast asynchronously, :data:`IN_FLIGHT` at a
-time: while bucket *i* travels, a receiver copies bucket *i - 1* into its
-parameters, and a background thread on the reader reads bucket *i + 1* (into
-host buffers, pinned when the parameters are on CUDA). It reads in the plan's
-file order and leaves read-ahead to the kernel on a cold page cache (an
-explicit ``POSIX_FADV_WILLNEED`` of the next bucket made cold loads slower;
-one pass over each file filling interleaved buckets side by side was no
-faster). Headers stay synchronous, and a header announces only a payload that
-will be sent: when the reader fails, it first finishes the broadcasts in
-flight, then sends the error, so no rank is left waiting on a payload that
-never comes.
+**Overlap.** A background thread on the reader reads bucket *i + 1* while
+bucket *i* is sent and copied, the parts of one bucket on up to
+:data:`READ_THREADS` threads at once (one thread copies out of the page cache
+at one core's speed). It reads in the plan's file order and leaves
+read-ahead to the kernel on a cold page cache (an explicit
+``POSIX_FADV_WILLNEED`` of the next bucket made cold loads slower; one pass
+over each file filling interleaved buckets side by side was no faster).
+Headers stay synchronous, and a header announces only a payload that will be
+sent: when the reader fails, it first finishes the broadcasts in flight, then
+sends the error, so no rank is left waiting on a payload that never comes.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ import queue
 import socket
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +59,9 @@ _OK, _FAILED = 0, 1
 
 IN_FLIGHT = 2
 """Payload broadcasts a rank has in flight at once; each holds a bucket-sized buffer."""
+
+READ_THREADS = min(8, os.cpu_count() or 1)
+"""Threads of the reader that read one bucket's parts at once (see :func:`fill`)."""
 
 
 class ReaderError(RuntimeError):
@@ -85,21 +89,6 @@ def reader_groups(reader: str, keys: Sequence[tuple[str, int]]) -> list[list[int
     for rank, key in enumerate(keys):
         by_node.setdefault(key, []).append(rank)
     return sorted(by_node.values())
-
-
-def open_data_groups(groups: list[list[int]], own: OwnGroups, *, backend: str) -> dist.ProcessGroup:
-    """Create every group's process group (collective over WORLD); return this rank's."""
-    import torch.distributed as dist
-
-    if len(groups) == 1:
-        return own.new(None, backend=backend)
-    mine = None
-    for ranks in groups:
-        group = own.new(ranks, backend=backend)
-        if dist.get_rank() in ranks:
-            mine = group
-    assert mine is not None
-    return mine
 
 
 def open_receiver_groups(
@@ -134,6 +123,8 @@ class Channel:
     """The process groups this rank is in, by their global ranks (the reader first)."""
     board: Board
     """The load's board: where failures are announced and waits look."""
+    sender: str = "the reader"
+    """Who ``src`` is, for messages: the reader, or a node leader passing buckets on."""
 
     def send(self, payload: torch.Tensor, ranks: tuple[int, ...]) -> dist.Work | None:
         """Announce ``payload`` to the whole group, then start its broadcast to ``ranks``.
@@ -146,18 +137,23 @@ class Channel:
             return self._broadcast(payload, self.receivers[ranks], async_op=True)
         return None
 
+    def announce(self, nbytes: int, slot: int) -> None:
+        """Tell the group that a bucket of ``nbytes`` waits in shared slot ``slot`` (no payload)."""
+        self._header(_OK, nbytes, slot)
+
     def send_error(self, message: str) -> None:
+        """Tell the group that the sender failed, and why; each rank raises it as a :class:`ReaderError`."""
         import torch
 
         data = torch.frombuffer(bytearray(message.encode()), dtype=torch.uint8).to(self.device)
         self._header(_FAILED, data.numel())
-        self.wait(self._broadcast(data, self.group, async_op=True), "the reader's error message")
+        self.wait(self._broadcast(data, self.group, async_op=True), "the error message")
 
     def receive(
         self, buffer: torch.Tensor, ranks: tuple[int, ...], nbytes: int
     ) -> tuple[torch.Tensor, dist.Work] | None:
-        """Start receiving the next payload, of ``nbytes``, into ``buffer`` (``None`` if it is
-        not for this rank).
+        """Start receiving the next payload, of the plan's ``nbytes``, into ``buffer``
+        (``None`` if it is not for this rank).
 
         Returns the payload's view of ``buffer`` and the broadcast in flight,
         which must be waited for before the payload is read. Raises
@@ -166,25 +162,27 @@ class Channel:
         :class:`~megastart.distributed.CollectiveError` if the reader announces
         another size than this rank planned, before any byte is received.
         """
-        import torch
-
-        status, announced = self._header(_OK, 0)
-        if status == _FAILED:
-            data = torch.empty(announced, dtype=torch.uint8, device=self.device)
-            self.wait(
-                self._broadcast(data, self.group, async_op=True), "the reader's error message"
-            )
-            raise ReaderError(bytes(data.cpu().numpy()).decode(errors="replace"))
-        if announced != nbytes or announced > buffer.numel():
-            raise CollectiveError(
-                f"the reader (rank {self.src}) announced a bucket of "
-                f"{announced} bytes where this rank planned {nbytes} (buffer of {buffer.numel()}): "
-                "the ranks' plans differ; nothing was received"
-            )
+        status, announced, _ = self._header(_OK, 0)
+        self._check(status, announced, nbytes, buffer.numel())
         if ranks not in self.receivers:
             return None
-        payload = buffer[:announced]
+        payload = buffer[:nbytes]
         return payload, self._broadcast(payload, self.receivers[ranks], async_op=True)
+
+    def announced(self, nbytes: int, capacity: int, slots: int) -> int:
+        """Wait for the next :meth:`announce` of a bucket of the plan's ``nbytes``; its slot.
+
+        Raises :class:`ReaderError` if the leader sent an error, and a
+        :class:`~megastart.distributed.CollectiveError` if it announced another
+        size, one larger than a slot's ``capacity``, or a slot outside ``range(slots)``.
+        """
+        status, announced, slot = self._header(_OK, 0)
+        self._check(status, announced, nbytes, capacity)
+        if not 0 <= slot < slots:
+            raise CollectiveError(
+                f"{self.sender} (rank {self.src}) announced slot {slot}, outside the {slots} slots"
+            )
+        return slot
 
     def wait(self, work: Any, what: str) -> None:
         """Wait for a broadcast of this channel: sliced and watching the board on gloo."""
@@ -194,24 +192,41 @@ class Channel:
         else:
             work.wait()
 
-    def _header(self, status: int, nbytes: int) -> tuple[int, int]:
-        """Broadcast ``[status, nbytes]`` from the reader; what the reader sent, on every rank.
+    def _check(self, status: int, announced: int, nbytes: int, capacity: int) -> None:
+        if status == _FAILED:
+            raise ReaderError(self._receive_text(announced))
+        if status != _OK or announced != nbytes or announced > capacity:
+            raise CollectiveError(
+                f"{self.sender} (rank {self.src}) announced a bucket of {announced} bytes where "
+                f"this rank planned {nbytes} (buffer of {capacity}): the ranks' plans differ; "
+                "nothing was received"
+            )
+
+    def _receive_text(self, nbytes: int) -> str:
+        import torch
+
+        data = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self.wait(self._broadcast(data, self.group, async_op=True), "the error message")
+        return bytes(data.cpu().numpy()).decode(errors="replace")
+
+    def _header(self, status: int, nbytes: int, slot: int = 0) -> tuple[int, int, int]:
+        """Broadcast ``[status, nbytes, slot]`` from the sender; what it sent, on every rank.
 
         Filled in place rather than built from a list: on CUDA, a copy from
-        pageable host memory would wait for the stream, and the reader, which
+        pageable host memory would wait for the stream, and the sender, which
         knows what it sent, never reads the header back; so its loop does not
         wait for the GPU once per bucket.
         """
         import torch
         import torch.distributed as dist
 
-        header = torch.empty(2, dtype=torch.int64, device=self.device)
-        header[0], header[1] = status, nbytes
+        header = torch.empty(3, dtype=torch.int64, device=self.device)
+        header[0], header[1], header[2] = status, nbytes, slot
         self.wait(self._broadcast(header, self.group, async_op=True), "a bucket's header")
         if dist.get_rank() == self.src:
-            return status, nbytes
+            return status, nbytes, slot
         received = header.tolist()
-        return received[0], received[1]
+        return received[0], received[1], received[2]
 
     def _broadcast(
         self, tensor: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False
@@ -224,32 +239,33 @@ class Channel:
 class Prefetcher:
     """Reads the plan's buckets in a background thread, ahead of the sender.
 
-    ``buffers`` host buffers take turns: one is filled while the others are
-    sent (on CPU, gloo sends straight from them) or copied to the GPU.
+    The ``buffers`` take turns, in the order they are released: one is filled
+    while the others are sent (on CPU, gloo sends straight from them), copied
+    to the GPU, or read by the node's other ranks (shared-memory slots).
     """
 
     def __init__(
-        self, reader: TensorReader, plan: Plan, *, buffers: int, pin: bool, board: Board
+        self, reader: TensorReader, plan: Plan, buffers: list[torch.Tensor], *, board: Board
     ) -> None:
-        import torch
-
         self._reader = reader
         self._plan = plan
+        self._buffers = buffers
         self._board = board
-        self._free: queue.Queue[tuple[torch.Tensor, Any] | None] = queue.Queue()
-        self._ready: queue.Queue[tuple[torch.Tensor | None, BaseException | None]] = queue.Queue()
-        for _ in range(min(buffers, len(plan.buckets))):
-            buffer = torch.empty(plan.max_bucket_bytes, dtype=torch.uint8, pin_memory=pin)
-            self._free.put((buffer, None))
+        self._closed = threading.Event()
+        self._free: queue.Queue[tuple[int, Any] | None] = queue.Queue()
+        self._ready: queue.Queue[tuple[int, BaseException | None]] = queue.Queue()
+        for index in range(len(buffers)):
+            self._free.put((index, None))
+        self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="megastart-read")
         self._thread = threading.Thread(
             target=self._run, name="megastart-rank0-loader-read", daemon=True
         )
         self._thread.start()
 
-    def next(self) -> torch.Tensor:
-        """The next filled buffer; re-raises the read error; a read that stalls past
-        ``timeout_s`` raises :class:`~megastart.distributed.Stalled`, naming the tensor."""
-        got: list[tuple[torch.Tensor | None, BaseException | None]] = []
+    def next(self) -> tuple[int, torch.Tensor]:
+        """The next filled buffer and its index; re-raises the read error; a read that stalls
+        past ``timeout_s`` raises :class:`~megastart.distributed.Stalled`, naming the tensor."""
+        got: list[tuple[int, BaseException | None]] = []
 
         def ready(slice_s: float) -> bool:
             try:
@@ -259,23 +275,23 @@ class Prefetcher:
             return True
 
         self._board.wait(ready, self._reading)
-        buffer, error = got[0]
+        index, error = got[0]
         if error is not None:
             raise error
-        assert buffer is not None
-        return buffer
+        return index, self._buffers[index]
 
-    def release(self, buffer: torch.Tensor, copied: Any = None) -> None:
-        """Give ``buffer`` back for the next read, once the CUDA event ``copied`` (if any) has passed.
+    def release(self, index: int, copied: Any = None) -> None:
+        """Give buffer ``index`` back for the next read, once the CUDA event ``copied`` (if any) has passed.
 
-        The reader copies a pinned buffer to the GPU asynchronously; the read
-        thread waits for that copy alone, not the sender's whole stream.
+        A copy to the GPU runs asynchronously; the read thread waits for that
+        copy alone, not the sender's whole stream.
         """
-        self._free.put((buffer, copied))
+        self._free.put((index, copied))
 
     def close(self) -> None:
-        """Stop reading. Does not wait: a read stalled in the kernel ends (and the thread
+        """Stop reading. Does not wait: a read stalled in the kernel ends (and the read thread
         closes the files) whenever the storage answers; the load has failed by then."""
+        self._closed.set()
         self._free.put(None)
 
     def _reading(self) -> str:
@@ -287,25 +303,51 @@ class Prefetcher:
         try:
             for bucket in self._plan.buckets:
                 free = self._free.get()
-                if free is None:
+                if free is None or self._closed.is_set():
                     return
-                buffer, copied = free
+                index, copied = free
                 try:
                     if copied is not None:
                         copied.synchronize()
-                    fill(self._reader, bucket, buffer)
+                    fill(self._reader, bucket, self._buffers[index], self._pool)
                 except BaseException as e:  # handed to the sender, which tells every rank
-                    self._ready.put((None, e))
+                    self._ready.put((index, e))
                     return
-                self._ready.put((buffer, None))
-        finally:
+                self._ready.put((index, None))
+        finally:  # the reads of a failed bucket end first: then no read uses the files
+            self._pool.shutdown(cancel_futures=True)
             self._reader.close()
 
 
-def fill(reader: TensorReader, bucket: Bucket, buffer: torch.Tensor) -> None:
-    """Read every slot of ``bucket`` (a tensor or its rows) into ``buffer``, in the slot's dtype."""
+READ_PART_BYTES = 4 * 2**20
+"""Bytes one read thread copies at a time: a bucket's slots are split into row ranges of
+about this size and read in parallel."""
+
+
+def fill(reader: TensorReader, bucket: Bucket, buffer: torch.Tensor, pool: Executor) -> None:
+    """Read every slot of ``bucket`` (a tensor or its rows) into ``buffer``, in the slot's dtype.
+
+    The slots are read in row ranges of about :data:`READ_PART_BYTES` by ``pool``'s threads at
+    once (the reads release the GIL): one thread copies out of the page cache at a few GB/s,
+    a core's memory bandwidth, and a storage device serves several reads in flight faster than
+    one. Pickle checkpoints are read one slot at a time.
+    """
+    if reader.meta.format != "safetensors":
+        for slot in bucket.slots:
+            reader.read_into(
+                reader.meta.tensors[slot.name], slot_view(buffer, slot), slot.rows.start
+            )
+        return
+    reads = []
     for slot in bucket.slots:
-        reader.read_into(reader.meta.tensors[slot.name], slot_view(buffer, slot), slot.rows.start)
+        entry, view = reader.meta.tensors[slot.name], slot_view(buffer, slot)
+        rows = view.shape[0] if view.dim() else 1
+        step = max(1, rows * READ_PART_BYTES // max(slot.nbytes, 1))
+        for first in range(0, rows, step):
+            part = view[first : first + step] if view.dim() else view
+            reads.append(pool.submit(reader.read_into, entry, part, slot.rows.start + first))
+    for read in reads:
+        read.result()
 
 
 def slot_view(buffer: torch.Tensor, slot: Slot) -> torch.Tensor:

@@ -1,0 +1,152 @@
+"""How buckets reach each rank: between nodes over the leaders' group, inside a node through shared memory.
+
+A reader group (every rank with ``reader=global``, one node with ``reader=node``)
+is split into its nodes (:func:`~megastart.loader.transport.node_key`). Each
+node's lowest rank leads it; the reader leads its own node. A bucket crosses
+to each other node that needs it once, broadcast among the leaders that need
+it; inside a node it is written once into the leader's shared-memory slots
+(:mod:`megastart.loader.shm`), and every local rank copies its own slices out
+of them, in parallel, with no socket. Small per-bucket headers ("bucket in
+slot *s*", or the reader's error) go over a gloo group of the node, and a
+second one carries "done with that slot" back, so the leader knows when it may
+refill a slot. Neither is the phases' control group: a stream that failed may
+leave operations pending on its groups, and the control group must still
+carry every rank's error. Every wait on them watches the load's
+:class:`~megastart.distributed.Board`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from megastart.distributed import Board, OwnGroups
+from megastart.loader.plan import Plan
+from megastart.loader.transport import Channel, open_receiver_groups
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+
+@dataclass(frozen=True, slots=True)
+class Nodes:
+    """The nodes of one reader group: each node's positions in the group, in order.
+
+    Node 0 holds position 0 (the reader); each node's first position leads it.
+    """
+
+    members: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, keys: Sequence[object]) -> Nodes:
+        """Group positions by node key (``keys[p]`` is position ``p``'s node)."""
+        by_key: dict[object, list[int]] = {}
+        for position, key in enumerate(keys):
+            by_key.setdefault(key, []).append(position)
+        return cls(tuple(tuple(positions) for positions in by_key.values()))
+
+    @property
+    def leaders(self) -> tuple[int, ...]:
+        return tuple(node[0] for node in self.members)
+
+    def node_of(self, position: int) -> tuple[int, ...]:
+        return next(node for node in self.members if position in node)
+
+    def leaders_reached(self, positions: Sequence[int]) -> tuple[int, ...]:
+        """The leaders of the nodes that hold any of ``positions``, in node order."""
+        wanted = set(positions)
+        return tuple(node[0] for node in self.members if wanted.intersection(node))
+
+
+@dataclass(slots=True)
+class Route:
+    """This rank's place in the stream: its reader group, its node, and the channels it is on."""
+
+    group: list[int]
+    """Global ranks of the reader group, the reader first."""
+    nodes: Nodes
+    position: int
+    """This rank's position in ``group``."""
+    device: torch.device
+    """Where this rank's parameters live."""
+    leaders: Channel | None
+    """Headers and payloads between the node leaders (a leader of a group of several nodes)."""
+    local: Channel | None
+    """Headers from the node leader to the node's ranks (a node of several ranks)."""
+    done: dist.ProcessGroup | None
+    """The node's ranks report a slot read over it (a node of several ranks)."""
+    board: Board
+    """The load's board: where failures are announced and every wait looks."""
+
+    @property
+    def node(self) -> tuple[int, ...]:
+        return self.nodes.node_of(self.position)
+
+    @property
+    def leads(self) -> bool:
+        return self.node[0] == self.position
+
+    def leaders_for(self, ranks: Sequence[int]) -> tuple[int, ...]:
+        """Global ranks of the leaders a bucket for ``ranks`` (positions) goes to, the reader first."""
+        return tuple(self.group[p] for p in self.nodes.leaders_reached(ranks))
+
+    def local_buckets(self, plan: Plan) -> list[int]:
+        """The buckets some rank of this node other than its leader needs, in plan order."""
+        others = set(self.node[1:])
+        return [i for i, bucket in enumerate(plan.buckets) if others.intersection(bucket.ranks)]
+
+
+def open_route(
+    groups: list[list[int]],
+    node_keys: Sequence[object],
+    receiver_sets: list[list[tuple[int, ...]]],
+    own: OwnGroups,
+    *,
+    backend: str,
+    device: torch.device,
+    board: Board,
+) -> Route:
+    """Open every process group the stream needs (collective over WORLD); this rank's route.
+
+    :param groups: global ranks of every reader group, the reader first.
+    :param node_keys: every global rank's node key.
+    :param receiver_sets: per reader group, the distinct :attr:`Bucket.ranks` of its plan.
+    :param backend: the backend between node leaders.
+    :param board: the load's board, which every channel's waits watch.
+    """
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    nodes = [Nodes.of([node_keys[r] for r in group]) for group in groups]
+    leader_sets: list[tuple[int, ...]] = []
+    for group, its_nodes, sets in zip(groups, nodes, receiver_sets, strict=True):
+        if len(its_nodes.members) > 1:
+            everyone = tuple(group[p] for p in its_nodes.leaders)
+            reached = {tuple(group[p] for p in its_nodes.leaders_reached(s)) for s in sets}
+            leader_sets += [everyone, *sorted(reached - {everyone})]
+    between = open_receiver_groups(leader_sets, own, backend=backend)
+    node_sets = [
+        tuple(group[p] for p in node)
+        for group, its_nodes in zip(groups, nodes, strict=True)
+        for node in its_nodes.members
+        if len(node) > 1
+    ]
+    headers = open_receiver_groups(node_sets, own, backend="gloo")
+    done = open_receiver_groups(node_sets, own, backend="gloo")
+
+    index = next(i for i, group in enumerate(groups) if rank in group)
+    group, its_nodes = groups[index], nodes[index]
+    route = Route(group, its_nodes, group.index(rank), device, None, None, None, board)
+    mine = tuple(group[p] for p in route.node)
+    if len(its_nodes.members) > 1 and route.leads:
+        wire = device if backend == "nccl" else torch.device("cpu")
+        everyone = tuple(group[p] for p in its_nodes.leaders)
+        route.leaders = Channel(between[everyone], group[0], wire, between, board)
+    if len(mine) > 1:
+        sender = "the reader" if mine[0] == group[0] else "the node leader"
+        route.local = Channel(headers[mine], mine[0], torch.device("cpu"), {}, board, sender)
+        route.done = done[mine]
+    return route

@@ -1,0 +1,128 @@
+"""rank0_loader's node-shared buckets: one segment per node, its name gone while in use, nothing
+left in ``/dev/shm`` after a load, after a rank (reader, relay or copier) is killed mid-stream,
+or after a leader died before removing its segment's name; a stalled read fails within timeout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from loader_ranks import (
+    load_as_nodes,
+    load_seeing_shared_segments,
+    load_while_a_rank_dies,
+    load_with_failing_reads,
+    load_with_stalled_read,
+)
+
+from megastart.launch import RankFailure, RankPool
+from megastart.loader.shm import PREFIX, SHM_DIR
+
+TP2_PP2 = {"tp": 2, "pp": 2}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from megastart.demo.checkpoints import make_checkpoint
+
+    directory = tmp_path_factory.mktemp("llama")
+    make_checkpoint("llama", directory, tie_word_embeddings=False)
+    return str(directory)
+
+
+def segments_of(pids: list[int]) -> list[str]:
+    """Loader segments in ``/dev/shm`` made by any of ``pids``."""
+    return sorted(
+        p.name
+        for p in SHM_DIR.glob(f"{PREFIX}*")
+        if int(p.name[len(PREFIX) :].split("-")[0]) in pids
+    )
+
+
+def test_each_node_shares_one_segment_whose_name_is_gone_while_it_is_used(
+    rank_pools: Any, checkpoint: str
+) -> None:
+    pool = rank_pools[4]
+    pids = pool.run(os.getpid)
+    results = pool.run(load_seeing_shared_segments, checkpoint, TP2_PP2, 2)
+    seen = [names for names, _ in results]
+    assert all(len(names) == 1 for names in seen), seen
+    assert seen[0] == seen[1] != seen[2] == seen[3]  # nodes {0, 1} and {2, 3}
+    assert all(name.endswith(" (deleted)") for names in seen for name in names)
+    assert [after for _, after in results] == [set()] * 4  # unmapped after the load
+    assert segments_of(pids) == []
+
+
+@pytest.mark.parametrize(
+    "dying_rank", [0, 1, 2, 3], ids=["reader", "reader_node_rank", "relay", "second_node_rank"]
+)
+def test_a_rank_killed_holding_a_shared_bucket_fails_every_rank_and_leaves_no_segment(
+    checkpoint: str, dying_rank: int
+) -> None:
+    """Two nodes of two ranks; ``dying_rank`` exits while it copies from its second bucket."""
+    timeout_s = 5.0
+    with RankPool(4, timeout_s=120, grace_s=3 * timeout_s) as pool:
+        pids = pool.run(os.getpid)
+        pool.run(load_as_nodes, checkpoint, TP2_PP2, 2, {})  # imports done: time the failure alone
+        start = time.monotonic()
+        with pytest.raises(RankFailure) as failure:
+            pool.run(load_while_a_rank_dies, checkpoint, TP2_PP2, dying_rank, timeout_s, 2)
+        elapsed = time.monotonic() - start
+        assert segments_of(pids) == []  # before the pool kills the survivors
+    message = str(failure.value)
+    assert f"ranks that died: {dying_rank} (exit code 7)" in message
+    assert "CollectiveError: rank0_loader: streaming" in message
+    assert elapsed < 3 * timeout_s + 10
+
+
+def test_a_read_error_reaches_both_nodes_with_the_readers_message(
+    rank_pools: Any, checkpoint: str
+) -> None:
+    """The reader's I/O error crosses to the second node's leader, which passes it on."""
+    start = time.monotonic()
+    messages = rank_pools[4].run(load_with_failing_reads, checkpoint, TP2_PP2, 5, 2)
+    assert time.monotonic() - start < 60
+    assert len(set(messages)) == 1, messages
+    assert "Input/output error" in messages[0]
+
+
+def test_a_stalled_read_fails_every_rank_within_timeout(checkpoint: str) -> None:
+    """One node of four ranks; the reader's third file read hangs (its other read threads go on)."""
+    timeout_s = 3.0
+    with RankPool(4, timeout_s=120) as pool:
+        pool.run(load_as_nodes, checkpoint, TP2_PP2, 4, {})  # imports done: time the failure alone
+        start = time.monotonic()
+        results = pool.run(load_with_stalled_read, checkpoint, TP2_PP2, 2, timeout_s)
+        elapsed = time.monotonic() - start
+    messages = [message for _, message, _ in results]
+    assert len(set(messages)) == 1, messages
+    assert (
+        f"rank 0 waited timeout_s={timeout_s:g} s for the reader's read of tensor '" in messages[0]
+    )
+    assert elapsed < 2 * timeout_s + 10
+
+
+def test_a_segment_left_by_a_dead_leader_is_removed_by_the_next_load(
+    rank_pools: Any, checkpoint: str
+) -> None:
+    dead = int(
+        subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, check=True
+        ).stdout
+    )
+    stale = SHM_DIR / f"{PREFIX}{dead}-0123456789ab"
+    alive = SHM_DIR / f"{PREFIX}{os.getpid()}-0123456789ab"  # a load in progress elsewhere
+    for path in (stale, alive):
+        path.write_bytes(b"\0" * 4096)
+    try:
+        rank_pools[2].run(load_as_nodes, checkpoint, {"tp": 2}, 2, {})
+        assert not stale.exists()
+        assert alive.exists()
+    finally:
+        for path in (stale, alive):
+            Path(path).unlink(missing_ok=True)
