@@ -57,19 +57,12 @@ PLUGIN_NAME = "megastart"
 def plugin_group(host: str) -> PluginGroup | None:
     """The plugin group through which the installed ``host`` loads megastart, or
     ``None`` when its version has none (or it is not installed)."""
-    from importlib import metadata
-
-    from packaging.requirements import Requirement
+    from megastart.engines.base import check_requirement  # not at start-up: it loads pluggy
 
     group = HOST_PLUGIN_GROUPS.get(host)
     if group is None:
         return None
-    requirement = Requirement(group.requirement)
-    try:
-        installed = metadata.version(requirement.name)
-    except metadata.PackageNotFoundError:
-        return None
-    return group if requirement.specifier.contains(installed, prereleases=True) else None
+    return group if check_requirement(group.requirement).compatible else None
 
 
 def loads_megastart(group: PluginGroup, filter_value: str | None) -> bool:
