@@ -138,30 +138,52 @@ def load_expecting_error(
         return "loaded"
 
 
+@contextmanager
+def reader_storage_fails(good_reads: int, failure: Any):
+    """On rank 0, ``failure(entry)`` runs instead of (a raise) or before (a stall) every read of
+    the storage after ``good_reads``: into a buffer (``read_exact``) or into the page cache
+    (``pagecache.populate``), whichever route the load takes."""
+    import torch.distributed as dist
+
+    from megastart.loader import checkpoint as checkpoint_module
+    from megastart.loader import pagecache
+
+    originals = checkpoint_module.read_exact, pagecache.populate
+    calls = [0]
+
+    def wrap(original: Any) -> Any:
+        def read(*args: Any) -> None:
+            calls[0] += 1
+            if calls[0] > good_reads:
+                failure(next(a for a in args if isinstance(a, checkpoint_module.TensorEntry)))
+            original(*args)
+
+        return read
+
+    if dist.get_rank() == 0:
+        checkpoint_module.read_exact, pagecache.populate = map(wrap, originals)
+    try:
+        yield
+    finally:
+        checkpoint_module.read_exact, pagecache.populate = originals
+
+
 def load_with_failing_reads(
-    checkpoint: str, layout: dict[str, int], good_reads: int, ranks_per_node: int | None = None
+    checkpoint: str,
+    layout: dict[str, int],
+    good_reads: int,
+    ranks_per_node: int | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> str:
     """Inject an I/O error into the reader's file reads after ``good_reads`` reads."""
     import torch.distributed as dist
 
-    from megastart.loader import checkpoint as checkpoint_module
+    def fail(entry: Any) -> None:
+        raise OSError(5, "Input/output error", entry.file)
 
-    original = checkpoint_module.read_exact
-    calls = [0]
-
-    def failing_read(f: Any, entry: Any, out: Any) -> None:
-        calls[0] += 1
-        if calls[0] > good_reads:
-            raise OSError(5, "Input/output error", f.name)
-        original(f, entry, out)
-
-    if dist.get_rank() == 0:
-        checkpoint_module.read_exact = failing_read
-    try:
+    with reader_storage_fails(good_reads, fail):
         with simulated_nodes(ranks_per_node or dist.get_world_size()):
-            return load_expecting_error(checkpoint, layout, {})
-    finally:
-        checkpoint_module.read_exact = original
+            return load_expecting_error(checkpoint, layout, overrides or {})
 
 
 def load_while_a_rank_dies(
@@ -170,9 +192,11 @@ def load_while_a_rank_dies(
     dying_rank: int,
     timeout_s: float,
     ranks_per_node: int | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> None:
     """``dying_rank`` exits in the middle of the stream, while it holds the second bucket it
-    copies from (out of its node's shared memory); the others must raise."""
+    copies from (out of its node's shared memory, or its mapping of the files); the others
+    must raise."""
     import torch.distributed as dist
 
     from megastart import load_hf_checkpoint
@@ -192,7 +216,9 @@ def load_while_a_rank_dies(
         stream.Stream._apply = apply_then_die  # type: ignore[method-assign]
     with simulated_nodes(ranks_per_node or dist.get_world_size()), megatron(layout):
         chunks = build(checkpoint)
-        load_hf_checkpoint(chunks, checkpoint, settings=settings(timeout_s=timeout_s))
+        load_hf_checkpoint(
+            chunks, checkpoint, settings=settings(timeout_s=timeout_s, **(overrides or {}))
+        )
 
 
 def load_for_engine_counting_warnings(checkpoint: str) -> tuple[Any, int]:
@@ -379,38 +405,28 @@ def load_with_failing_receiver(
 
 
 def load_with_stalled_read(
-    checkpoint: str, layout: dict[str, int], good_reads: int, timeout_s: float
+    checkpoint: str,
+    layout: dict[str, int],
+    good_reads: int,
+    timeout_s: float,
+    overrides: dict[str, Any] | None = None,
 ) -> Attempt:
-    """The reader's storage stops answering after ``good_reads`` tensors (for 3 * ``timeout_s``)."""
-    import torch.distributed as dist
-
+    """The reader's storage stops answering after ``good_reads`` reads (for 3 * ``timeout_s``)."""
     from megastart import load_hf_checkpoint
-    from megastart.loader import checkpoint as checkpoint_module
 
-    original = checkpoint_module.read_exact
-    calls = [0]
-
-    def stalling_read(f: Any, entry: Any, out: Any) -> None:
-        calls[0] += 1
-        if calls[0] > good_reads:
-            time.sleep(3 * timeout_s)
-        original(f, entry, out)
-
-    if dist.get_rank() == 0:
-        checkpoint_module.read_exact = stalling_read
-    try:
+    with reader_storage_fails(good_reads, lambda entry: time.sleep(3 * timeout_s)):
         with megatron(layout):
             chunks = build(checkpoint)
             return attempt(
                 lambda: load_hf_checkpoint(
-                    chunks, checkpoint, settings=settings(timeout_s=timeout_s)
+                    chunks, checkpoint, settings=settings(timeout_s=timeout_s, **(overrides or {}))
                 )
             )
-    finally:
-        checkpoint_module.read_exact = original
 
 
-def load_with_another_plan_on(checkpoint: str, layout: dict[str, int], rank: int) -> Attempt:
+def load_with_another_plan_on(
+    checkpoint: str, layout: dict[str, int], rank: int, overrides: dict[str, Any]
+) -> Attempt:
     """``rank`` plans buckets 8 times larger than the others (a bug the size check must catch)."""
     import torch.distributed as dist
 
@@ -424,7 +440,7 @@ def load_with_another_plan_on(checkpoint: str, layout: dict[str, int], rank: int
     if dist.get_rank() == rank:
         api.build_plan = larger_buckets
     try:
-        return timed_load(checkpoint, layout, {})
+        return timed_load(checkpoint, layout, overrides)
     finally:
         api.build_plan = original
 
@@ -491,30 +507,33 @@ def reference_hidden_states(checkpoint: str | os.PathLike[str]) -> tuple[torch.T
 
 
 def load_seeing_shared_segments(
-    checkpoint: str, layout: dict[str, int], ranks_per_node: int
-) -> tuple[set[str], set[str]]:
-    """The loader's shared segments this rank mapped while it copied its slices (as
-    ``/proc/self/maps`` names them), and those still mapped after the load."""
+    checkpoint: str, layout: dict[str, int], ranks_per_node: int, overrides: dict[str, Any]
+) -> tuple[set[str], set[str], set[str]]:
+    """What this rank had mapped while it copied its slices (as ``/proc/self/maps`` names it):
+    the loader's shared segments and the checkpoint's files; and the segments still mapped
+    after the load."""
     from megastart import load_hf_checkpoint
     from megastart.loader import stream
     from megastart.loader.shm import PREFIX
 
-    def mapped() -> set[str]:
+    def mapped(part: str) -> set[str]:
         lines = open("/proc/self/maps").read().splitlines()
-        return {line.split(None, 5)[5] for line in lines if PREFIX in line}
+        return {line.split(None, 5)[5] for line in lines if part in line and len(line.split()) > 5}
 
-    seen: set[str] = set()
+    segments: set[str] = set()
+    files: set[str] = set()
     original = stream.Stream._apply
 
     def apply_and_look(self: Any, index: int, payload: Any) -> None:
-        seen.update(mapped())
+        segments.update(mapped(PREFIX))
+        files.update(os.path.basename(f) for f in mapped(checkpoint))
         original(self, index, payload)
 
     stream.Stream._apply = apply_and_look  # type: ignore[method-assign]
     try:
         with simulated_nodes(ranks_per_node), megatron(layout):
             chunks = build(checkpoint)
-            load_hf_checkpoint(chunks, checkpoint, settings=settings())
+            load_hf_checkpoint(chunks, checkpoint, settings=settings(**overrides))
     finally:
         stream.Stream._apply = original  # type: ignore[method-assign]
-    return seen, mapped()
+    return segments, files, mapped(PREFIX)

@@ -4,6 +4,7 @@ rank, with the same message naming the file, tensor, parameter and shapes; nothi
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -476,13 +477,24 @@ def test_ranks_with_different_settings_are_told_which_setting_and_ranks_before_a
     )
 
 
+@pytest.mark.parametrize(
+    ("reader_node", "what"),
+    [
+        ("shared_memory", r"announced a bucket of \d+ bytes where this rank planned \d+ "),
+        ("page_cache", r"planned \d+ buckets of \d+ bytes where this rank planned \d+ of \d+"),
+    ],
+)
 def test_a_received_size_other_than_planned_is_an_error_not_an_abort(
-    pool: RankPool, original: Any
+    pool: RankPool, original: Any, reader_node: str, what: str
 ) -> None:
-    message = one_error(pool.run(load_with_another_plan_on, str(original[0]), TP2, 1), 5)
+    """Rank 1 plans buckets 8 times larger: found before it copies anything, on either route."""
+    results = pool.run(
+        load_with_another_plan_on, str(original[0]), TP2, 1, {"reader_node": reader_node}
+    )
+    message = one_error(results, 5)
     assert message.startswith("rank0_loader: streaming")
-    assert "failed on rank 1: the reader (rank 0) announced a bucket of" in message
-    assert "the ranks' plans differ; nothing was received" in message
+    assert re.search(f"failed on rank 1: the reader \\(rank 0\\) {what}", message), message
+    assert "the ranks' plans differ; nothing was" in message
 
 
 def test_a_receiver_failing_mid_stream_is_named_on_every_rank_at_once_and_retries_fail_fast(
@@ -507,7 +519,9 @@ def test_a_receiver_failing_mid_stream_is_named_on_every_rank_at_once_and_retrie
         assert "Restart the process" in retry_message
         assert retry_seconds < 0.5
         assert group_sum == 2.0
-        assert 0 < written < total, (rank, written, total)  # what the README says is left behind
+        # What the README says is left behind: the failing rank's parameters partly written;
+        # a rank that never waits for it (the reader, from the page cache) may finish its own.
+        assert 0 < written < total if rank == 1 else 0 < written <= total, (rank, written, total)
 
 
 def test_a_rank_that_never_calls_the_loader_is_named_and_the_host_groups_keep_working(

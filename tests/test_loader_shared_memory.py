@@ -24,6 +24,8 @@ from megastart.launch import RankFailure, RankPool
 from megastart.loader.shm import PREFIX, SHM_DIR
 
 TP2_PP2 = {"tp": 2, "pp": 2}
+ROUTES = ("page_cache", "shared_memory")
+"""``rank0_loader.reader_node``: how the reader's node takes its slices."""
 
 
 @pytest.fixture(scope="module")
@@ -47,31 +49,68 @@ def segments_of(pids: list[int]) -> list[str]:
 def test_each_node_shares_one_segment_whose_name_is_gone_while_it_is_used(
     rank_pools: Any, checkpoint: str
 ) -> None:
+    """Shared memory on both nodes (``reader_node=shared_memory``): the bucket slots."""
     pool = rank_pools[4]
     pids = pool.run(os.getpid)
-    results = pool.run(load_seeing_shared_segments, checkpoint, TP2_PP2, 2)
-    seen = [names for names, _ in results]
+    results = pool.run(
+        load_seeing_shared_segments, checkpoint, TP2_PP2, 2, {"reader_node": "shared_memory"}
+    )
+    seen = [segments for segments, _, _ in results]
     assert all(len(names) == 1 for names in seen), seen
     assert seen[0] == seen[1] != seen[2] == seen[3]  # nodes {0, 1} and {2, 3}
     assert all(name.endswith(" (deleted)") for names in seen for name in names)
-    assert [after for _, after in results] == [set()] * 4  # unmapped after the load
+    assert [files for _, files, _ in results][1:] == [set()] * 3  # only the reader reads files
+    assert [after for _, _, after in results] == [set()] * 4  # unmapped after the load
     assert segments_of(pids) == []
 
 
-@pytest.mark.parametrize(
-    "dying_rank", [0, 1, 2, 3], ids=["reader", "reader_node_rank", "relay", "second_node_rank"]
-)
-def test_a_rank_killed_holding_a_shared_bucket_fails_every_rank_and_leaves_no_segment(
-    checkpoint: str, dying_rank: int
+def test_the_readers_node_copies_from_the_files_and_the_other_node_from_shared_memory(
+    rank_pools: Any, checkpoint: str
 ) -> None:
-    """Two nodes of two ranks; ``dying_rank`` exits while it copies from its second bucket."""
+    """The default route: the reader's node maps the checkpoint's files (and shares only the
+    reader's progress), the second node copies out of its shared bucket slots."""
+    pool = rank_pools[4]
+    pids = pool.run(os.getpid)
+    results = pool.run(load_seeing_shared_segments, checkpoint, TP2_PP2, 2, {})
+    segments = [names for names, _, _ in results]
+    files = [names for _, names, _ in results]
+    assert all(len(names) == 1 for names in segments), segments
+    assert segments[0] == segments[1] != segments[2] == segments[3]
+    assert files[0] and files[1], files  # pages of model-0000x-of-0000y.safetensors
+    assert all(name.endswith(".safetensors") for name in files[0] | files[1])
+    assert files[2] == files[3] == set()
+    assert [after for _, _, after in results] == [set()] * 4
+    assert segments_of(pids) == []
+
+
+KILLED = [
+    ("reader", "page_cache"),
+    ("reader_node_rank", "page_cache"),
+    ("reader", "shared_memory"),
+    ("reader_node_rank", "shared_memory"),
+    ("relay", "page_cache"),
+    ("second_node_rank", "page_cache"),
+]
+"""Who dies, and the reader's node's route (it matters to ranks 0 and 1 only)."""
+RANK_OF = {"reader": 0, "reader_node_rank": 1, "relay": 2, "second_node_rank": 3}
+
+
+@pytest.mark.parametrize(("who", "reader_node"), KILLED, ids=[f"{w}-{r}" for w, r in KILLED])
+def test_a_rank_killed_holding_a_shared_bucket_fails_every_rank_and_leaves_no_segment(
+    checkpoint: str, who: str, reader_node: str
+) -> None:
+    """Two nodes of two ranks; one rank exits while it copies from its second bucket."""
     timeout_s = 5.0
+    dying_rank = RANK_OF[who]
+    overrides = {"reader_node": reader_node}
     with RankPool(4, timeout_s=120, grace_s=3 * timeout_s) as pool:
         pids = pool.run(os.getpid)
         pool.run(load_as_nodes, checkpoint, TP2_PP2, 2, {})  # imports done: time the failure alone
         start = time.monotonic()
         with pytest.raises(RankFailure) as failure:
-            pool.run(load_while_a_rank_dies, checkpoint, TP2_PP2, dying_rank, timeout_s, 2)
+            pool.run(
+                load_while_a_rank_dies, checkpoint, TP2_PP2, dying_rank, timeout_s, 2, overrides
+            )
         elapsed = time.monotonic() - start
         assert segments_of(pids) == []  # before the pool kills the survivors
     message = str(failure.value)
@@ -80,24 +119,31 @@ def test_a_rank_killed_holding_a_shared_bucket_fails_every_rank_and_leaves_no_se
     assert elapsed < 3 * timeout_s + 10
 
 
+@pytest.mark.parametrize("reader_node", ROUTES)
 def test_a_read_error_reaches_both_nodes_with_the_readers_message(
-    rank_pools: Any, checkpoint: str
+    rank_pools: Any, checkpoint: str, reader_node: str
 ) -> None:
-    """The reader's I/O error crosses to the second node's leader, which passes it on."""
+    """The reader's I/O error crosses to the second node's leader, which passes it on; on the
+    reader's node it reaches the ranks through the slots' headers or the reader's progress."""
     start = time.monotonic()
-    messages = rank_pools[4].run(load_with_failing_reads, checkpoint, TP2_PP2, 5, 2)
+    messages = rank_pools[4].run(
+        load_with_failing_reads, checkpoint, TP2_PP2, 5, 2, {"reader_node": reader_node}
+    )
     assert time.monotonic() - start < 60
     assert len(set(messages)) == 1, messages
     assert "Input/output error" in messages[0]
 
 
-def test_a_stalled_read_fails_every_rank_within_timeout(checkpoint: str) -> None:
-    """One node of four ranks; the reader's third file read hangs (its other read threads go on)."""
+@pytest.mark.parametrize("reader_node", ROUTES)
+def test_a_stalled_read_fails_every_rank_within_timeout(checkpoint: str, reader_node: str) -> None:
+    """One node of four ranks; the reader's third read hangs (its other read threads go on)."""
     timeout_s = 3.0
     with RankPool(4, timeout_s=120) as pool:
         pool.run(load_as_nodes, checkpoint, TP2_PP2, 4, {})  # imports done: time the failure alone
         start = time.monotonic()
-        results = pool.run(load_with_stalled_read, checkpoint, TP2_PP2, 2, timeout_s)
+        results = pool.run(
+            load_with_stalled_read, checkpoint, TP2_PP2, 2, timeout_s, {"reader_node": reader_node}
+        )
         elapsed = time.monotonic() - start
     messages = [message for _, message, _ in results]
     assert len(set(messages)) == 1, messages

@@ -10,6 +10,9 @@ Modules, one concern each, in the order a load uses them:
 - ``model``: reading this rank's Megatron model (parameters, config, shard) against a checkpoint;
 - ``plan``: who needs which tensor, validated, packed into buckets;
 - ``transport``: the loader's process groups, bucket headers and broadcasts, the read-ahead;
+- ``route``: how buckets reach each rank: the nodes, their leaders, the channels between them;
+- ``shm``: node-shared memory segments (the bucket slots of a node that receives);
+- ``pagecache``: the reader's node copies from the page cache (file mappings, the reader's progress);
 - ``stream``: the stream phase on one rank (read and send, or receive), applying buckets;
 - ``progress``: the reader's progress bar;
 - ``verify``: every parameter element written once (coverage);

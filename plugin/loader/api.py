@@ -4,8 +4,8 @@
 2. plan: every rank maps its parameters to HF tensors and checks shapes; the
    demands are all-gathered and every rank computes the same buckets;
 3. stream: each reader reads its group's buckets once; each crosses to every
-   other node that needs it once, and every rank copies its shards out of its
-   node's shared memory;
+   other node that needs it once, and every rank copies its shards out of the
+   page cache (the reader's node) or its node's shared memory;
 4. verify: every element of every local parameter was written exactly once.
 
 Before any of them the ranks check in (a rank that never calls is named) and

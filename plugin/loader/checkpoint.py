@@ -22,6 +22,8 @@ import os
 import posixpath
 import struct
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -368,14 +370,25 @@ class TensorReader:
         ``out`` has the shape of the rows read: the whole tensor's, or a dim-0 range of it.
         """
         stop = first_row + (out.shape[0] if out.dim() else 1)
+        with self.tracking(entry):
+            self._read_rows(entry, out, first_row, stop)
+
+    @contextmanager
+    def tracking(self, entry: TensorEntry) -> Iterator[None]:
+        """Record that this thread reads ``entry`` (see :attr:`reading`) while the block runs."""
         thread = threading.get_ident()
         with self._lock:
             self._reads[thread] = entry
         try:
-            self._read_rows(entry, out, first_row, stop)
+            yield
         finally:
             with self._lock:
                 del self._reads[thread]
+
+    def count(self, nbytes: int) -> None:
+        """Add bytes read some other way than :meth:`read_into` (into the page cache)."""
+        with self._lock:
+            self.bytes_read += nbytes
 
     def _read_rows(self, whole: TensorEntry, out: torch.Tensor, first_row: int, stop: int) -> None:
         import torch

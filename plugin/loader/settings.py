@@ -21,6 +21,15 @@ class Rank0LoaderSettings:
     (destroyed after the load); ``auto``: NCCL for CUDA parameters, gloo for CPU
     ones. Inside a node the ranks read the node's shared memory."""
 
+    reader_node: Literal["page_cache", "shared_memory"] = "page_cache"
+    """How the other ranks on the reader's node take their slices: ``page_cache``, each
+    from its own read-only mapping of the files, once the reader has read a bucket into
+    the page cache (one copy per byte; the faster route in ``megastart bench loader``,
+    README); ``shared_memory``, out of shared-memory slots the reader reads into (two
+    copies, but the reader's read is all the node's ranks touch). Other nodes always
+    receive into shared memory; ``.bin`` checkpoints, and kernels without
+    ``MADV_POPULATE_READ`` (before Linux 5.14), always use shared memory."""
+
     bucket_mb: float = 32.0
     """Tensors are streamed in buckets of at most this many MiB (a tensor larger than
     that travels as row blocks in several buckets). Transient memory is about three

@@ -3,9 +3,12 @@
 Three roles (:mod:`megastart.loader.route`):
 
 * the **reader** (first rank of its reader group, leader of its node) reads
-  each bucket, in a background thread (:class:`~megastart.loader.transport.Prefetcher`),
-  straight into one of its node's shared slots, broadcasts it to the other
-  nodes' leaders that need it, and announces the slot to its node's ranks;
+  each bucket, in a background thread (:class:`~megastart.loader.transport.Prefetcher`):
+  into the page cache when only its node needs it, and its node's ranks copy
+  from their own mappings of the files (:mod:`megastart.loader.pagecache`,
+  ``reader_node=page_cache``); else into a buffer (with ``shared_memory``, one
+  of its node's shared slots), which it broadcasts to the other nodes' leaders
+  that need it;
 * a **leader** of another node receives the buckets its node needs straight
   into its node's shared slots and announces them;
 * every other rank waits for its node's announcements and copies its slices
@@ -29,20 +32,30 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Executor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from megastart.distributed import CollectiveError
+from megastart.loader import pagecache
 from megastart.loader.checkpoint import CheckpointMeta, TensorReader
-from megastart.loader.plan import Need, Plan
+from megastart.loader.pagecache import Frontier, Window
+from megastart.loader.plan import Bucket, Need, Plan, Slot
 from megastart.loader.progress import Progress
 from megastart.loader.route import Route
 from megastart.loader.settings import Rank0LoaderSettings
 from megastart.loader.shm import Segment
 from megastart.loader.transforms import TRANSFORMS, Shard
-from megastart.loader.transport import IN_FLIGHT, Prefetcher, ReaderError, slot_view
+from megastart.loader.transport import (
+    IN_FLIGHT,
+    READ_PART_BYTES,
+    Prefetcher,
+    ReaderError,
+    fill,
+    slot_view,
+)
 from megastart.loader.verify import Coverage
 
 if TYPE_CHECKING:
@@ -81,10 +94,20 @@ class Stream:
 
     def run(self, meta: CheckpointMeta, settings: Rank0LoaderSettings) -> tuple[int, int]:
         """Stream every bucket this rank takes part in; returns (bytes read, bytes sent between nodes)."""
+        self.meta = meta
+        self.page_cache = (
+            self.route.node[0] == 0  # the reader's node
+            and settings.reader_node == "page_cache"
+            and meta.format == "safetensors"
+            and pagecache.supported()
+        )
+        """Whether this rank's node takes its slices out of the page cache (:mod:`~megastart.loader.pagecache`)."""
         if self.route.position == 0:
             return self._read(meta, settings)
         if self.route.leads:
             return self._relay()
+        if self.page_cache:
+            return self._take_cached()
         return self._take()
 
     def _read(self, meta: CheckpointMeta, settings: Rank0LoaderSettings) -> tuple[int, int]:
@@ -96,37 +119,44 @@ class Stream:
         staging = self._staging()
         in_use: deque[_InUse] = deque()
         sent = 0
-        with self._slots() as slots:
-            prefetch = Prefetcher(reader, self.plan, slots, board=self.route.board)
+        with self._reader_slots() as slots, self._frontier() as frontier:
+            fetch = partial(self._fetch, reader, slots, frontier)
+            # From the page cache alone, nothing bounds the read-ahead: it holds no memory.
+            ahead = len(self.plan.buckets) if self.page_cache and leaders is None else SLOTS
+            prefetch = Prefetcher(reader, self.plan, fetch, ahead, board=self.route.board)
             try:
                 for index, bucket in enumerate(self.plan.buckets):
                     try:
-                        slot, host = prefetch.next()
+                        slot, source = prefetch.next()
                     except CollectiveError:  # a stall or a peer's failure: on the board already
                         raise
                     except BaseException as e:
                         for used in in_use:  # what was announced is delivered before the error
                             self._deliver(used)
                         self._fail(
-                            f"reader rank {self.route.group[0]} failed: {type(e).__name__}: {e}"
+                            f"reader rank {self.route.group[0]} failed: {type(e).__name__}: {e}",
+                            frontier,
                         )
                         raise
-                    payload = host[: bucket.nbytes]
                     used = _InUse()
                     copied = None
-                    if leaders is not None:
-                        wire = payload
+                    if leaders is not None and isinstance(source, Window):  # no other node needs it
+                        used.sends.append(leaders.announce(bucket.nbytes, 0))
+                    elif leaders is not None:
+                        wire = source.data
                         if staging:  # NCCL between nodes: the slot travels from the GPU
                             wire = staging[index % IN_FLIGHT][: bucket.nbytes]
-                            wire.copy_(payload, non_blocking=True)
+                            wire.copy_(source.data, non_blocking=True)
                             copied = torch.cuda.Event()
                             copied.record()
                         to = self.route.leaders_for(bucket.ranks)
                         used.sends.append(leaders.send(wire, to))
                         sent += bucket.nbytes if len(to) > 1 else 0
-                    used.done = self._announce(index, slot, bucket.nbytes)
+                    if not self.page_cache:
+                        used.done = self._announce(index, slot, bucket.nbytes)
                     used.release = partial(prefetch.release, slot, copied)
-                    self._apply(index, payload)
+                    self._apply(index, source)
+                    del source  # a bucket's mapping goes once it is applied
                     progress.advance(bucket.nbytes)
                     in_use.append(used)
                     if len(in_use) == IN_FLIGHT:
@@ -137,6 +167,37 @@ class Stream:
             finally:
                 prefetch.close()
         return reader.bytes_read, sent
+
+    def _fetch(
+        self,
+        reader: TensorReader,
+        slots: list[torch.Tensor],
+        frontier: Frontier | None,
+        index: int,
+        slot: int,
+        pool: Executor,
+    ) -> Source:
+        """The reader's read of bucket ``index`` (in its read-ahead thread): into the page cache
+        when only this node needs it and takes it from there, else into ``slots[slot]``; then
+        the node's ranks may take it from the page cache (``frontier``)."""
+        bucket = self.plan.buckets[index]
+        source: Source
+        if self.page_cache and len(self.route.leaders_for(bucket.ranks)) == 1:
+            Window(reader.meta, bucket.slots).populate(reader, pool, READ_PART_BYTES)
+            # Mapped again, unpopulated, for the reader's own slices: it holds no memory until
+            # the reader copies them, however far ahead this thread reads.
+            source = Window(reader.meta, self._mine(bucket))
+        else:
+            payload = slots[slot][: bucket.nbytes]
+            fill(reader, bucket, payload, pool)
+            source = Payload(payload)
+        if frontier is not None:
+            frontier.publish(index + 1)
+        return source
+
+    def _mine(self, bucket: Bucket) -> list[Slot]:
+        """The slots of ``bucket`` this rank copies from."""
+        return [slot for slot in bucket.slots if slot.name in self.consumers]
 
     def _relay(self) -> tuple[int, int]:
         """Another node's leader: receive its node's buckets into the shared slots, announce them."""
@@ -164,9 +225,8 @@ class Stream:
                 if staging:
                     slots[slot][: bucket.nbytes].copy_(payload)
                     torch.cuda.current_stream().synchronize()
-                payload = slots[slot][: bucket.nbytes]
                 done = self._announce(index, slot, bucket.nbytes)
-                self._apply(index, payload)
+                self._apply(index, Payload(slots[slot][: bucket.nbytes]))
                 in_use.append(_InUse(done=done, release=partial(free.append, slot)))
                 if len(in_use) == IN_FLIGHT:
                     self._finish(in_use.popleft())
@@ -187,7 +247,7 @@ class Stream:
             for index in self.local:
                 bucket = self.plan.buckets[index]
                 slot = local.announced(bucket.nbytes, slots[0].numel(), len(slots))
-                self._apply(index, slots[slot][: bucket.nbytes])
+                self._apply(index, Payload(slots[slot][: bucket.nbytes]))
                 reported.append(
                     dist.all_reduce(torch.zeros(1), group=self.route.done, async_op=True)
                 )
@@ -195,6 +255,18 @@ class Stream:
                     self._reported(reported.popleft())
             while reported:
                 self._reported(reported.popleft())
+        return 0, 0
+
+    def _take_cached(self) -> tuple[int, int]:
+        """A rank of the reader's node that reads no files: once the reader has read a bucket
+        into the page cache, copy this rank's slices out of its own mapping of the files."""
+        with self._frontier() as frontier:
+            assert frontier is not None
+            for index, bucket in enumerate(self.plan.buckets):
+                mine = self._mine(bucket)
+                if mine:
+                    frontier.wait(index + 1, self.route.board)
+                    self._apply(index, Window(self.meta, mine))
         return 0, 0
 
     def _announce(self, index: int, slot: int, nbytes: int) -> Any:
@@ -210,7 +282,7 @@ class Stream:
             or self.local[self._announced] != index
         ):
             return None
-        local.announce(nbytes, slot)
+        local.announce(nbytes, slot)  # in order before the report, which is waited for
         self._announced += 1
         return dist.all_reduce(torch.zeros(1), group=self.route.done, async_op=True)
 
@@ -234,43 +306,85 @@ class Stream:
         ranks = [self.route.group[p] for p in self.route.node]
         self.route.board.wait_work(work, f"the reports of node ranks {ranks} that they {what}")
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, message: str, frontier: Frontier | None = None) -> None:
         """Pass the reader's failure on: to the other leaders (the reader), and to this node's
-        ranks while they still wait for an announcement."""
+        ranks while they still wait for an announcement (or poll the ``frontier``)."""
         if self.route.position == 0 and self.route.leaders is not None:
             self.route.leaders.send_error(message)
-        if self.route.local is not None and self._announced < len(self.local):
+        if frontier is not None:
+            frontier.fail(message)
+        elif self.route.local is not None and self._announced < len(self.local):
             self.route.local.send_error(message)
 
     @contextmanager
     def _slots(self) -> Iterator[list[torch.Tensor]]:
-        """The node's bucket slots: a shared segment for a node of several ranks (made by the
-        leader, mapped by all, its name removed once all have mapped it), private memory otherwise."""
+        """The node's bucket slots: a shared segment for a node of several ranks, private
+        memory otherwise."""
         import torch
-        import torch.distributed as dist
 
         size = self.plan.max_bucket_bytes
         pin = self.route.device.type == "cuda"
-        local = self.route.local
-        if local is None:
+        if self.route.local is None:
             yield [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(SLOTS)]
             return
-        segment = _open_segment(self.route, SLOTS * size)
-        try:
-            mapped = dist.barrier(group=self.route.done, async_op=True)
-            self._reported(mapped, "mapped the shared segment")
-            if self.route.leads:
-                segment.unlink()
+        with self._shared(SLOTS * size) as segment:
             if pin:
                 segment.pin()
             assert segment.tensor is not None
             # The leader's slot size: a rank whose plan differs learns it from the first header.
             size = segment.nbytes // SLOTS
             yield [segment.tensor[i * size : (i + 1) * size] for i in range(SLOTS)]
+
+    @contextmanager
+    def _frontier(self) -> Iterator[Frontier | None]:
+        """How far the reader has read into the page cache, shared by its node's ranks
+        (``None`` where no other rank polls it: the shared-memory route, a node of one rank)."""
+        if not self.page_cache or self.route.local is None:
+            yield None
+            return
+        reader = f"the reader (rank {self.route.group[0]})"
+        with self._shared(Frontier.NBYTES, lambda s: Frontier(s, reader).plan(self.plan)) as shm:
+            frontier = Frontier(shm, reader)
+            if self.route.position != 0:
+                frontier.check(self.plan)
+            yield frontier
+
+    @contextmanager
+    def _shared(
+        self, nbytes: int, fill: Callable[[Segment], None] | None = None
+    ) -> Iterator[Segment]:
+        """The node's shared segment: made by the leader (who ``fill`` s it before the others
+        look), mapped by all, its name removed once all have mapped it, and unmapped when the
+        block ends."""
+        import torch.distributed as dist
+
+        segment = _open_segment(self.route, nbytes)
+        try:
+            if self.route.leads and fill is not None:
+                fill(segment)
+            mapped = dist.barrier(group=self.route.done, async_op=True)
+            self._reported(mapped, "mapped the shared segment")
+            if self.route.leads:
+                segment.unlink()
+            yield segment
         finally:
             if self.route.leads:
                 segment.unlink()
             segment.close()
+
+    @contextmanager
+    def _reader_slots(self) -> Iterator[list[torch.Tensor]]:
+        """The reader's bucket slots: its node's shared ones, or with the page cache private
+        ones for the buckets other nodes need (none on a single node)."""
+        import torch
+
+        if not self.page_cache:
+            with self._slots() as slots:
+                yield slots
+            return
+        size = self.plan.max_bucket_bytes if self.route.leaders is not None else 0
+        pin = self.route.device.type == "cuda" and size > 0
+        yield [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(SLOTS)]
 
     def _staging(self) -> list[torch.Tensor]:
         """GPU buffers for NCCL between node leaders (none for gloo, or a single node)."""
@@ -291,9 +405,10 @@ class Stream:
         if self.route.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
 
-    def _apply(self, index: int, payload: torch.Tensor) -> None:
-        """Copy this rank's slices of bucket ``index`` into its parameters; returns once the
-        copies are done (the slot may be refilled then)."""
+    def _apply(self, index: int, source: Source) -> None:
+        """Copy this rank's slices of bucket ``index`` from ``source`` into its parameters
+        (converting to their dtype); returns once the copies are done (the slot may be
+        refilled then)."""
         import torch
 
         with torch.no_grad():
@@ -302,7 +417,7 @@ class Stream:
                     param = self.tensors[(need.param.chunk, need.param.local_name)]
                     for first, stop, piece in TRANSFORMS[need.transform].blocks(
                         input_index,
-                        slot_view(payload, slot),
+                        source.view(slot),
                         slot.rows,
                         need.param.shape,
                         self.shard,
@@ -311,6 +426,22 @@ class Stream:
                         self.coverage.record(need.param, first, stop)
         if self.route.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
+
+
+class Source(Protocol):
+    """Where a rank finds a bucket's slots: a buffer, or the files' pages (:class:`Window`)."""
+
+    def view(self, slot: Slot) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Payload:
+    """A bucket's bytes in a buffer (a slot of shared memory, a received broadcast)."""
+
+    data: torch.Tensor
+
+    def view(self, slot: Slot) -> torch.Tensor:
+        return slot_view(self.data, slot)
 
 
 @dataclass(slots=True)

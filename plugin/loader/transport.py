@@ -42,10 +42,10 @@ import os
 import queue
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from megastart.distributed import Board, CollectiveError, OwnGroups
 from megastart.loader.checkpoint import TensorReader
@@ -59,6 +59,8 @@ _OK, _FAILED = 0, 1
 
 IN_FLIGHT = 2
 """Payload broadcasts a rank has in flight at once; each holds a bucket-sized buffer."""
+
+Fetched = TypeVar("Fetched")
 
 READ_THREADS = min(8, os.cpu_count() or 1)
 """Threads of the reader that read one bucket's parts at once (see :func:`fill`)."""
@@ -137,9 +139,14 @@ class Channel:
             return self._broadcast(payload, self.receivers[ranks], async_op=True)
         return None
 
-    def announce(self, nbytes: int, slot: int) -> None:
-        """Tell the group that a bucket of ``nbytes`` waits in shared slot ``slot`` (no payload)."""
-        self._header(_OK, nbytes, slot)
+    def announce(self, nbytes: int, slot: int) -> dist.Work:
+        """Tell the group that a bucket of ``nbytes`` waits in shared slot ``slot`` (no payload).
+
+        Returns the header's broadcast in flight, for the sender to wait for later
+        (:meth:`wait`): it goes on reading while the ranks are still copying the
+        buckets before, rather than waiting for each to take its header.
+        """
+        return self._broadcast(self._header_tensor(_OK, nbytes, slot), self.group, async_op=True)
 
     def send_error(self, message: str) -> None:
         """Tell the group that the sender failed, and why; each rank raises it as a :class:`ReaderError`."""
@@ -210,23 +217,25 @@ class Channel:
         return bytes(data.cpu().numpy()).decode(errors="replace")
 
     def _header(self, status: int, nbytes: int, slot: int = 0) -> tuple[int, int, int]:
-        """Broadcast ``[status, nbytes, slot]`` from the sender; what it sent, on every rank.
-
-        Filled in place rather than built from a list: on CUDA, a copy from
-        pageable host memory would wait for the stream, and the sender, which
-        knows what it sent, never reads the header back; so its loop does not
-        wait for the GPU once per bucket.
-        """
-        import torch
+        """Broadcast ``[status, nbytes, slot]`` from the sender; what it sent, on every rank."""
         import torch.distributed as dist
 
-        header = torch.empty(3, dtype=torch.int64, device=self.device)
-        header[0], header[1], header[2] = status, nbytes, slot
+        header = self._header_tensor(status, nbytes, slot)
         self.wait(self._broadcast(header, self.group, async_op=True), "a bucket's header")
         if dist.get_rank() == self.src:
             return status, nbytes, slot
         received = header.tolist()
         return received[0], received[1], received[2]
+
+    def _header_tensor(self, status: int, nbytes: int, slot: int) -> torch.Tensor:
+        """Filled in place rather than built from a list: on CUDA, a copy from pageable host
+        memory would wait for the stream, and the sender, which knows what it sent, never
+        reads the header back; so its loop does not wait for the GPU once per bucket."""
+        import torch
+
+        header = torch.empty(3, dtype=torch.int64, device=self.device)
+        header[0], header[1], header[2] = status, nbytes, slot
+        return header
 
     def _broadcast(
         self, tensor: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False
@@ -236,36 +245,46 @@ class Channel:
         return dist.broadcast(tensor, src=self.src, group=group, async_op=async_op)
 
 
-class Prefetcher:
-    """Reads the plan's buckets in a background thread, ahead of the sender.
+class Prefetcher(Generic[Fetched]):
+    """Fetches the plan's buckets in a background thread, ahead of the sender.
 
-    The ``buffers`` take turns, in the order they are released: one is filled
-    while the others are sent (on CPU, gloo sends straight from them), copied
-    to the GPU, or read by the node's other ranks (shared-memory slots).
+    ``fetch(index, slot, pool)`` reads bucket ``index`` of the plan, using buffer
+    ``slot`` (if it needs one) and ``pool``'s threads, and returns what the sender
+    takes: a buffer's bytes, or the bucket's pages made resident in the page
+    cache. The ``slots`` take turns, in the order they are released: one is
+    filled while the others are sent (on CPU, gloo sends straight from them),
+    copied to the GPU, or read by the node's other ranks; so the read-ahead is
+    at most ``slots`` buckets.
     """
 
     def __init__(
-        self, reader: TensorReader, plan: Plan, buffers: list[torch.Tensor], *, board: Board
+        self,
+        reader: TensorReader,
+        plan: Plan,
+        fetch: Callable[[int, int, Executor], Fetched],
+        slots: int,
+        *,
+        board: Board,
     ) -> None:
         self._reader = reader
         self._plan = plan
-        self._buffers = buffers
+        self._fetch = fetch
         self._board = board
         self._closed = threading.Event()
         self._free: queue.Queue[tuple[int, Any] | None] = queue.Queue()
-        self._ready: queue.Queue[tuple[int, BaseException | None]] = queue.Queue()
-        for index in range(len(buffers)):
-            self._free.put((index, None))
+        self._ready: queue.Queue[tuple[int, Fetched | None, BaseException | None]] = queue.Queue()
+        for slot in range(slots):
+            self._free.put((slot, None))
         self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="megastart-read")
         self._thread = threading.Thread(
             target=self._run, name="megastart-rank0-loader-read", daemon=True
         )
         self._thread.start()
 
-    def next(self) -> tuple[int, torch.Tensor]:
-        """The next filled buffer and its index; re-raises the read error; a read that stalls
+    def next(self) -> tuple[int, Fetched]:
+        """The next fetched bucket and its slot; re-raises the read error; a read that stalls
         past ``timeout_s`` raises :class:`~megastart.distributed.Stalled`, naming the tensor."""
-        got: list[tuple[int, BaseException | None]] = []
+        got: list[tuple[int, Fetched | None, BaseException | None]] = []
 
         def ready(slice_s: float) -> bool:
             try:
@@ -275,18 +294,19 @@ class Prefetcher:
             return True
 
         self._board.wait(ready, self._reading)
-        index, error = got[0]
+        slot, fetched, error = got[0]
         if error is not None:
             raise error
-        return index, self._buffers[index]
+        assert fetched is not None
+        return slot, fetched
 
-    def release(self, index: int, copied: Any = None) -> None:
-        """Give buffer ``index`` back for the next read, once the CUDA event ``copied`` (if any) has passed.
+    def release(self, slot: int, copied: Any = None) -> None:
+        """Give ``slot`` back for the next read, once the CUDA event ``copied`` (if any) has passed.
 
         A copy to the GPU runs asynchronously; the read thread waits for that
         copy alone, not the sender's whole stream.
         """
-        self._free.put((index, copied))
+        self._free.put((slot, copied))
 
     def close(self) -> None:
         """Stop reading. Does not wait: a read stalled in the kernel ends (and the read thread
@@ -301,19 +321,20 @@ class Prefetcher:
 
     def _run(self) -> None:
         try:
-            for bucket in self._plan.buckets:
+            for index in range(len(self._plan.buckets)):
                 free = self._free.get()
                 if free is None or self._closed.is_set():
                     return
-                index, copied = free
+                slot, copied = free
                 try:
                     if copied is not None:
                         copied.synchronize()
-                    fill(self._reader, bucket, self._buffers[index], self._pool)
+                    fetched = self._fetch(index, slot, self._pool)
                 except BaseException as e:  # handed to the sender, which tells every rank
-                    self._ready.put((index, e))
+                    self._ready.put((slot, None, e))
                     return
-                self._ready.put((index, None))
+                self._ready.put((slot, fetched, None))
+                del fetched  # the sender holds it alone: a mapping goes when the sender is done
         finally:  # the reads of a failed bucket end first: then no read uses the files
             self._pool.shutdown(cancel_futures=True)
             self._reader.close()

@@ -1,0 +1,221 @@
+"""The reader's node reads from the page cache: each rank maps its slices of a bucket from the files.
+
+On the node that holds the checkpoint's reader, a bucket's bytes are already in
+memory the whole node shares once the reader has read them: the page cache.
+Copying them into a shared-memory slot first and out of it again moves every
+byte twice; here each rank copies its slices straight out of its own
+read-only mapping of the files, the way AReaL's per-rank slices do, and the
+measurements in the README (``megastart bench loader``, both page-cache
+states) made this the faster route on that node. Other nodes still receive
+into shared memory (:mod:`megastart.loader.shm`).
+
+The reader remains the only rank that reads the storage: before it announces
+a bucket it makes the bucket's pages resident (``MADV_POPULATE_READ``, on
+several threads), so the node's ranks find them cached, and a read error is
+the reader's, an exception it announces to every rank, not a ``SIGBUS`` in one
+of them. Mappings cover one bucket and are dropped after it, so a rank maps a
+bucket's pages only while it copies them.
+
+How far the reader has read is a word of node-shared memory
+(:class:`Frontier`), which the node's ranks poll: a gloo header per bucket
+took milliseconds each on a busy node (every rank and the reader wait for each
+other's threads), a fifth of a warm load's time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import mmap
+import os
+import time
+from collections.abc import Iterable
+from concurrent.futures import Executor
+from errno import EINTR
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from megastart.distributed import POLL_S, Board, CollectiveError
+from megastart.loader.checkpoint import ITEMSIZE, CheckpointMeta, TensorEntry, TensorReader
+from megastart.loader.plan import Plan, Slot
+from megastart.loader.shm import Segment
+from megastart.loader.transport import ReaderError
+
+if TYPE_CHECKING:
+    import torch
+
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+"""``madvise`` advice that faults a range in for reading and waits (Linux 5.14 and later)."""
+
+
+@functools.cache
+def supported() -> bool:
+    """Whether this kernel populates mappings on request (the route needs it)."""
+    probe = mmap.mmap(-1, mmap.PAGESIZE)
+    try:
+        probe.madvise(MADV_POPULATE_READ, 0, mmap.PAGESIZE)
+    except (OSError, ValueError):
+        return False
+    finally:
+        probe.close()
+    return True
+
+
+class Window:
+    """Slots of one bucket as read-only views of the checkpoint's files (one mapping per file)."""
+
+    def __init__(self, meta: CheckpointMeta, slots: Iterable[Slot]) -> None:
+        import torch
+
+        self.entries = {
+            slot.name: meta.tensors[slot.name].row_range(slot.rows.start, slot.rows.stop)
+            for slot in slots
+        }
+        self._maps: dict[str, tuple[int, torch.Tensor]] = {}
+        """Per file: the offset its mapping starts at, and the mapping as bytes."""
+        ranges: dict[str, tuple[int, int]] = {}
+        for entry in self.entries.values():
+            if entry.end > entry.start:
+                low, high = ranges.get(entry.file, (entry.start, entry.end))
+                ranges[entry.file] = min(low, entry.start), max(high, entry.end)
+        for file, (low, high) in ranges.items():
+            start = low - low % mmap.ALLOCATIONGRANULARITY
+            fd = os.open(Path(meta.directory) / file, os.O_RDONLY)
+            try:  # private and writable, so torch takes it without a copy; nothing writes to it
+                mapping = mmap.mmap(fd, high - start, offset=start, access=mmap.ACCESS_COPY)
+            finally:
+                os.close(fd)
+            self._maps[file] = start, torch.frombuffer(mapping, dtype=torch.uint8)
+
+    def view(self, slot: Slot) -> torch.Tensor:
+        """The slot's rows as the file holds them (the checkpoint's dtype), shaped as the slot."""
+        import torch
+
+        entry = self.entries[slot.name]
+        dtype = getattr(torch, entry.dtype)
+        if entry.end <= entry.start:
+            return torch.empty(slot.shape, dtype=dtype)
+        start, data = self._maps[entry.file]
+        raw = data[entry.start - start : entry.end - start]
+        if entry.start % ITEMSIZE[entry.dtype]:  # safetensors does not promise aligned tensors
+            raw = raw.clone()
+        return raw.view(dtype).view(slot.shape)
+
+    def populate(self, reader: TensorReader, pool: Executor, part_bytes: int) -> None:
+        """Make every slot's pages resident, parts of ``part_bytes`` on ``pool``'s threads at once,
+        counted as ``reader``'s reads. A read error (an I/O error, a file truncated under the
+        load) raises, naming the tensor."""
+        reads = []
+        for entry in self.entries.values():
+            if entry.end > entry.start:
+                start, data = self._maps[entry.file]
+                first = (entry.start - start) // mmap.PAGESIZE * mmap.PAGESIZE
+                for offset in range(first, entry.end - start, part_bytes):
+                    length = min(part_bytes, entry.end - start - offset)
+                    reads.append(pool.submit(_read_part, reader, entry, data, offset, length))
+        for read in reads:
+            read.result()
+        reader.count(sum(entry.end - entry.start for entry in self.entries.values()))
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _read_part(
+    reader: TensorReader, entry: TensorEntry, data: torch.Tensor, offset: int, length: int
+) -> None:
+    with reader.tracking(entry):
+        populate(entry, data, offset, length)
+
+
+def populate(entry: TensorEntry, data: torch.Tensor, offset: int, length: int) -> None:
+    """Make ``length`` bytes of ``data`` (a mapping of ``entry``'s file) from ``offset`` on resident."""
+    # Through ctypes, which releases the GIL (mmap.madvise holds it): the parts are read in parallel.
+    address = ctypes.c_void_p(data.data_ptr() + offset)
+    pages = (ctypes.c_ubyte * ((length + mmap.PAGESIZE - 1) // mmap.PAGESIZE))()
+    if _libc().mincore(address, ctypes.c_size_t(length), pages) == 0 and 0 not in bytes(pages):
+        return  # cached already (a warm start): populating would only fill this process's page tables
+    while _libc().madvise(address, ctypes.c_size_t(length), MADV_POPULATE_READ):
+        errno = ctypes.get_errno()
+        if errno != EINTR:
+            raise OSError(
+                errno,
+                f"reading tensor {entry.name!r} from {entry.file!r} into the page cache "
+                f"failed: {os.strerror(errno)}",
+            )
+
+
+class Frontier:
+    """How many of the plan's buckets the reader has read into the page cache, or its error,
+    in a segment of node-shared memory (:data:`NBYTES`) that the node's ranks poll.
+
+    Only the reader writes it, only after the bucket's pages are resident; what the
+    ranks then read is the files', never bytes the reader wrote, so no memory order
+    between the word and other data is needed.
+    """
+
+    NBYTES = 4096
+    """``[read, failed, buckets, bytes]`` (four int64: the last two the reader's plan), then
+    the error message (UTF-8, cut to fit)."""
+
+    def __init__(self, segment: Segment, sender: str) -> None:
+        import torch
+
+        assert segment.tensor is not None
+        self._bytes = segment.tensor[: self.NBYTES]
+        self._words = self._bytes[:32].view(torch.int64)
+        self._sender = sender
+
+    def plan(self, plan: Plan) -> None:
+        """The reader's plan, which the ranks :meth:`check` against theirs (before they map it)."""
+        self._words[2], self._words[3] = len(plan.buckets), plan.nbytes
+
+    def check(self, plan: Plan) -> None:
+        """Raise a :class:`~megastart.distributed.CollectiveError` if ``plan`` is not the
+        reader's: each rank takes its slices by its own plan, and would wait for buckets
+        that never come."""
+        theirs = int(self._words[2]), int(self._words[3])
+        if theirs != (len(plan.buckets), plan.nbytes):
+            raise CollectiveError(
+                f"{self._sender} planned {theirs[0]} buckets of {theirs[1]} bytes where this rank "
+                f"planned {len(plan.buckets)} of {plan.nbytes}: the ranks' plans differ; nothing "
+                "was copied"
+            )
+
+    def publish(self, read: int) -> None:
+        """The first ``read`` buckets of the plan are in the page cache."""
+        self._words[0] = read
+
+    def fail(self, message: str) -> None:
+        """The reader failed: every rank waiting raises ``message`` as a :class:`ReaderError`."""
+        import torch
+
+        data = message.encode()[: self.NBYTES - 32]
+        self._bytes[32 : 32 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        self._words[1] = len(data)
+
+    def wait(self, read: int, board: Board) -> None:
+        """Until the first ``read`` buckets are in the page cache (watching the board).
+
+        Polled every 50 microseconds at first, then less often, up to every quarter
+        :data:`~megastart.distributed.POLL_S`: a rank waits here only when it is ahead
+        of the reader.
+        """
+
+        def reached(slice_s: float) -> bool:
+            deadline = time.monotonic() + slice_s
+            pause = 5e-5
+            while int(self._words[0]) < read:
+                failed = int(self._words[1])
+                if failed:
+                    text = bytes(self._bytes[32 : 32 + failed].numpy()).decode(errors="replace")
+                    raise ReaderError(text)
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(pause)
+                pause = min(2 * pause, POLL_S / 4)
+            return True
+
+        board.wait(reached, f"{self._sender} to read bucket {read} of the plan", peer=True)
