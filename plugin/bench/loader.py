@@ -40,7 +40,7 @@ log = logging.getLogger("megastart")
 
 HELP = "megastart's loader against every-rank, stage-reader and mmap-slice loading"
 
-STRATEGIES = ("megastart", "every_rank_full", "stage_reader", "mmap_slices")
+STRATEGIES = ("megastart", "megastart_shm", "every_rank_full", "stage_reader", "mmap_slices")
 
 TARGETS = {
     "bytes_read_vs_checkpoint": "megastart's bytes read = the checkpoint's size",

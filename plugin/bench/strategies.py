@@ -5,7 +5,9 @@ mapping tables and transforms (:mod:`megastart.loader.mappings`,
 :mod:`megastart.loader.transforms`), so all of them write the same values;
 only how the bytes get from the files to the ranks differs:
 
-* ``megastart``: :func:`megastart.load_hf_checkpoint` (one reader, broadcast).
+* ``megastart``: :func:`megastart.load_hf_checkpoint` (one reader; its node's ranks take
+  their slices from the page cache, other nodes' from shared memory).
+* ``megastart_shm``: the same with ``reader_node=shared_memory`` (shared memory everywhere).
 * ``every_rank_full``: every rank holds a private copy of the whole checkpoint.
 * ``stage_reader``: tensor-parallel rank 0 reads its stage, then scatters.
 * ``mmap_slices``: every rank reads only its slices from the mmapped files.
@@ -32,6 +34,10 @@ if TYPE_CHECKING:
 
 IMPLEMENTATIONS = {
     "megastart": "real: megastart.load_hf_checkpoint (reader=global, transport=gloo)",
+    "megastart_shm": (
+        "real: megastart.load_hf_checkpoint with reader_node=shared_memory (the reader's node "
+        "takes its slices out of shared-memory slots, not the page cache)"
+    ),
     "every_rank_full": (
         "re-implementation of verl's legacy loader (before verl PR #330 every rank ran "
         "from_pretrained, verl/utils/model.py _load_hf_model, and copied its slices): every "
@@ -49,6 +55,9 @@ IMPLEMENTATIONS = {
         "its TP slices through get_slice(), in a thread pool of min(8, cpus // world) workers"
     ),
 }
+
+MEGASTART_ROUTES = {"megastart": {}, "megastart_shm": {"reader_node": "shared_memory"}}
+"""The strategies that are megastart, and the settings each adds to the benchmark's."""
 
 _STATE: dict[str, Any] = {}
 """This rank's model chunks and checkpoint metadata, from :func:`build_model` until :func:`teardown`."""
@@ -104,8 +113,9 @@ def load(strategy: str, checkpoint: str, megastart_options: dict[str, Any]) -> d
     dist.barrier()
     start = time.perf_counter()
     between_nodes = 0
-    if strategy == "megastart":
-        bytes_read, between_nodes = _megastart(chunks, checkpoint, megastart_options)
+    if strategy in MEGASTART_ROUTES:
+        options = megastart_options | MEGASTART_ROUTES[strategy]
+        bytes_read, between_nodes = _megastart(chunks, checkpoint, options)
     else:
         bytes_read = _BASELINES[strategy](chunks, checkpoint)
     if on_cuda:
