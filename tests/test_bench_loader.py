@@ -12,7 +12,7 @@ import pytest
 
 from megastart.cli import main
 
-STRATEGIES = ("megastart", "every_rank_full", "stage_reader", "mmap_slices")
+STRATEGIES = ("megastart", "megastart_shm", "every_rank_full", "stage_reader", "mmap_slices")
 
 
 def run_bench(out: Path, *arguments: str) -> tuple[dict, str]:
