@@ -179,17 +179,7 @@ class Board:
         """
         name = f"posted/{key}"
 
-        def posted(slice_s: float) -> bool:
-            deadline = time.monotonic() + slice_s
-            pause = 0.001
-            while not self._store.check([name]):
-                if time.monotonic() >= deadline:
-                    return False
-                time.sleep(pause)
-                pause = min(2 * pause, POLL_S / 4)
-            return True
-
-        self.wait(posted, what, peer=True)
+        self.wait(polled(lambda: self._store.check([name]), 0.001), what, peer=True)
         return bytes(self._store.get(name)).decode()
 
     def wait_work(self, work: Any, what: str) -> None:
@@ -205,6 +195,24 @@ class Board:
             return True
 
         self.wait(done, what, peer=True)
+
+
+def polled(condition: Callable[[], bool], first_pause_s: float) -> Callable[[float], bool]:
+    """A ``ready`` for :meth:`Board.wait` that polls ``condition``: every ``first_pause_s`` at
+    first (the peer usually answers at once), then less often, up to every quarter
+    :data:`POLL_S`."""
+
+    def ready(slice_s: float) -> bool:
+        deadline = time.monotonic() + slice_s
+        pause = first_pause_s
+        while not condition():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_S / 4)
+        return True
+
+    return ready
 
 
 class Sticky:

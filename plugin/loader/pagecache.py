@@ -28,14 +28,13 @@ import ctypes
 import functools
 import mmap
 import os
-import time
 from collections.abc import Iterable
 from concurrent.futures import Executor
 from errno import EINTR
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megastart.distributed import POLL_S, Board, CollectiveError
+from megastart.distributed import Board, CollectiveError, polled
 from megastart.loader.checkpoint import ITEMSIZE, CheckpointMeta, TensorEntry, TensorReader
 from megastart.loader.plan import Plan, Slot
 from megastart.loader.shm import Segment
@@ -204,18 +203,15 @@ class Frontier:
         of the reader.
         """
 
-        def reached(slice_s: float) -> bool:
-            deadline = time.monotonic() + slice_s
-            pause = 5e-5
-            while int(self._words[0]) < read:
-                failed = int(self._words[1])
-                if failed:
-                    text = bytes(self._bytes[32 : 32 + failed].numpy()).decode(errors="replace")
-                    raise ReaderError(text)
-                if time.monotonic() >= deadline:
-                    return False
-                time.sleep(pause)
-                pause = min(2 * pause, POLL_S / 4)
-            return True
+        def reached() -> bool:
+            if int(self._words[0]) >= read:
+                return True
+            failed = int(self._words[1])
+            if failed:
+                text = bytes(self._bytes[32 : 32 + failed].numpy()).decode(errors="replace")
+                raise ReaderError(text)
+            return False
 
-        board.wait(reached, f"{self._sender} to read bucket {read} of the plan", peer=True)
+        board.wait(
+            polled(reached, 5e-5), f"{self._sender} to read bucket {read} of the plan", peer=True
+        )
