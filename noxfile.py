@@ -6,6 +6,11 @@ requirement would pull a multi-GB CUDA build.
 
 from __future__ import annotations
 
+import functools
+import os
+import shutil
+from collections.abc import Callable
+
 import nox
 
 nox.options.sessions = ["lint", "tests", "megatron", "verl", "verl07", "areal"]
@@ -14,6 +19,23 @@ nox.options.reuse_existing_virtualenvs = True
 PYTHON = "3.11"
 TORCH = "torch==2.13.0"
 MEGATRON = "megatron-core==0.16.1"
+DISCARD_ENVS = "MEGASTART_NOX_DISCARD_ENVS"
+"""Set to 1 (CI does) to remove each session's environment when the session ends,
+pass or fail: together they take about 18 GB, more than a CI machine has had free."""
+
+
+def session(func: Callable[..., None]) -> Callable[..., None]:
+    """``nox.session`` on PYTHON, whose environment goes when it ends if DISCARD_ENVS is 1."""
+
+    @functools.wraps(func)
+    def run(session: nox.Session, **params: str) -> None:
+        try:
+            func(session, **params)
+        finally:
+            if os.environ.get(DISCARD_ENVS) == "1":
+                shutil.rmtree(session.virtualenv.location)
+
+    return nox.session(python=PYTHON)(run)
 
 
 def install_megastart(session: nox.Session, *extras: str) -> None:
@@ -22,7 +44,7 @@ def install_megastart(session: nox.Session, *extras: str) -> None:
     session.install("-e", spec)
 
 
-@nox.session(python=PYTHON)
+@session
 def lint(session: nox.Session) -> None:
     """ruff, and mypy on the public API."""
     install_megastart(session, "dev")
@@ -31,7 +53,7 @@ def lint(session: nox.Session) -> None:
     session.run("mypy")
 
 
-@nox.session(python=PYTHON)
+@session
 def tests(session: nox.Session) -> None:
     """The core suite: plugin manager, settings, loader, warmup, demo (CPU, gloo)."""
     install_megastart(session, "test")
@@ -52,7 +74,7 @@ MEGATRON_SUBSET = (
 )
 
 
-@nox.session(python=PYTHON)
+@session
 @nox.parametrize("core", MEGATRON_CORES)
 def megatron(session: nox.Session, core: str) -> None:
     """The loader's logits and the warmup's group table on one megatron-core release.
@@ -80,7 +102,7 @@ VERL_BRIDGE = (
 VERL_BRIDGE_TESTS = ("tests/hosts/verl/test_verl_engine_cpu.py", "-k", "megatron_bridge")
 
 
-@nox.session(python=PYTHON)
+@session
 def verl(session: nox.Session) -> None:
     """The verl adapter against the real verl (CPU, gloo, a local Ray cluster), on both
     of verl 0.9's HF-load branches, one environment after the other.
@@ -121,7 +143,7 @@ VERL07_TESTS = (
 )
 
 
-@nox.session(python=PYTHON)
+@session
 def verl07(session: nox.Session) -> None:
     """Both verl adapters against the real verl 0.7.1 (CPU, gloo): the legacy
     Megatron workers and verl 0.7's engine. Installed like the ``verl`` session."""
@@ -143,7 +165,7 @@ AREAL_NEEDS = (
 )
 
 
-@nox.session(python=PYTHON)
+@session
 def areal(session: nox.Session) -> None:
     """The AReaL adapter against the real AReaL 1.0.4 (CPU, gloo).
 
