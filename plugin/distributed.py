@@ -72,6 +72,12 @@ class Board:
     anywhere stops it within a slice; a wait that outlasts ``timeout_s`` is
     announced as a failure of its own, naming what it waited for. A store round
     trip per slice is all it costs.
+
+    A wait on a peer counts ``timeout_s`` from the call's last progress (a
+    reader's :meth:`advance`), not from its own start: a rank whose next bucket
+    is far down the checkpoint, or that finished early and waits for the
+    others, waits as long as the readers read, and a stalled or dead reader is
+    still named ``timeout_s`` after its last bucket.
     """
 
     def __init__(self, what: str) -> None:
@@ -83,6 +89,7 @@ class Board:
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.timeout_s = float("inf")
+        self._advanced = -float("inf")
         self._store = dist.PrefixStore(f"megastart/{what}/{number}/", _get_default_store())
 
     def announce(self, error: BaseException) -> None:
@@ -145,17 +152,21 @@ class Board:
     ) -> None:
         """Until ``ready(slice_s)`` is true (it may block ``slice_s`` seconds).
 
-        :param peer: the wait is on another rank: it gets :data:`PEER_GRACE_S` more.
+        :param peer: the wait is on another rank: it gets :data:`PEER_GRACE_S` more,
+            counted from the call's last progress (:meth:`advance`).
         :raises PeerFailed: within a slice of any rank announcing a failure.
         :raises Stalled: after ``timeout_s``, naming ``what`` (or what it returns
             then); announced first, so the others stop at once.
         """
         limit = self.timeout_s + (PEER_GRACE_S if peer else 0.0)
         deadline = time.monotonic() + limit
+        progress = self._progress() if peer else 0
         while not ready(POLL_S):
             failure = self.failure()
             if failure is not None:
                 raise PeerFailed(f"{self.what} failed on {failure}")
+            if peer and progress != (progress := self._progress()):
+                deadline = time.monotonic() + limit
             if time.monotonic() >= deadline:
                 bound = (
                     f"{limit:g} s (timeout_s + {PEER_GRACE_S:g} s)"
@@ -166,6 +177,17 @@ class Board:
                 stalled = Stalled(f"rank {self.rank} waited {bound} for {waited_for}")
                 self.announce(stalled)
                 raise stalled
+
+    def advance(self) -> None:
+        """A reader made progress: the peer waits' ``timeout_s`` starts again (a store round trip
+        at most every half :data:`POLL_S`, which is as often as a wait looks)."""
+        now = time.monotonic()
+        if now - self._advanced >= POLL_S / 2:
+            self._advanced = now
+            self._store.add("progress", 1)
+
+    def _progress(self) -> int:
+        return self._store.add("progress", 0)
 
     def post(self, key: str, value: str) -> None:
         """Leave ``value`` for the ranks that :meth:`read` ``key`` (a name, not data)."""
@@ -181,6 +203,16 @@ class Board:
 
         self.wait(polled(lambda: self._store.check([name]), 0.001), what, peer=True)
         return bytes(self._store.get(name)).decode()
+
+    def arrive(self, key: str) -> None:
+        """Count this rank in at ``key`` (for a rank waiting in :meth:`arrivals`)."""
+        self._store.add(f"arrived/{key}", 1)
+
+    def arrivals(self, key: str, count: int, what: str) -> None:
+        """:meth:`wait` on peers until ``count`` ranks :meth:`arrive` d at ``key``: a barrier of
+        a few ranks that needs no process group."""
+        name = f"arrived/{key}"
+        self.wait(polled(lambda: self._store.add(name, 0) >= count, 0.001), what, peer=True)
 
     def wait_work(self, work: Any, what: str) -> None:
         """:meth:`wait` on another rank for a gloo ``Work`` (its own errors are raised as they are)."""

@@ -424,6 +424,27 @@ def load_with_stalled_read(
             )
 
 
+def load_with_slow_reads(
+    checkpoint: str,
+    layout: dict[str, int],
+    ranks_per_node: int,
+    seconds_per_read: float,
+    timeout_s: float,
+    overrides: dict[str, Any],
+) -> Attempt:
+    """Every read of the reader's storage takes ``seconds_per_read`` longer (slow storage)."""
+    from megastart import load_hf_checkpoint
+
+    with reader_storage_fails(0, lambda entry: time.sleep(seconds_per_read)):
+        with simulated_nodes(ranks_per_node), megatron(layout):
+            chunks = build(checkpoint)
+            return attempt(
+                lambda: load_hf_checkpoint(
+                    chunks, checkpoint, settings=settings(timeout_s=timeout_s, **overrides)
+                )
+            )
+
+
 def load_with_another_plan_on(
     checkpoint: str, layout: dict[str, int], rank: int, overrides: dict[str, Any]
 ) -> Attempt:

@@ -17,9 +17,11 @@ from loader_ranks import (
     load_seeing_shared_segments,
     load_while_a_rank_dies,
     load_with_failing_reads,
+    load_with_slow_reads,
     load_with_stalled_read,
 )
 
+from megastart.distributed import PEER_GRACE_S
 from megastart.launch import RankFailure, RankPool
 from megastart.loader.shm import PREFIX, SHM_DIR
 
@@ -151,6 +153,21 @@ def test_a_stalled_read_fails_every_rank_within_timeout(checkpoint: str, reader_
         f"rank 0 waited timeout_s={timeout_s:g} s for the reader's read of tensor '" in messages[0]
     )
     assert elapsed < 2 * timeout_s + 10
+
+
+@pytest.mark.parametrize("reader_node", ROUTES)
+def test_a_load_longer_than_timeout_s_succeeds_while_the_reader_reads(
+    rank_pools: Any, checkpoint: str, reader_node: str
+) -> None:
+    """Slow storage: the load lasts several timeout_s. Two nodes of two ranks, one pipeline stage
+    each: the second node waits long for its first bucket, the reader's node-mate finishes
+    early and waits for the others; neither may take that for a stall."""
+    timeout_s = 1.5
+    results = rank_pools[4].run(
+        load_with_slow_reads, checkpoint, TP2_PP2, 2, 0.35, timeout_s, {"reader_node": reader_node}
+    )
+    assert [outcome for outcome, _, _ in results] == ["loaded"] * 4, results
+    assert min(seconds for _, _, seconds in results) > 2 * (timeout_s + PEER_GRACE_S)
 
 
 def test_a_segment_left_by_a_dead_leader_is_removed_by_the_next_load(

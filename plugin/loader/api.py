@@ -35,6 +35,7 @@ from megastart.distributed import (
     all_or_none,
     broadcast_or_raise,
 )
+from megastart.loader import pagecache
 from megastart.loader.checkpoint import CheckpointMeta, read_metadata
 from megastart.loader.model import UnsupportedArchitecture, local_needs, mapping_table
 from megastart.loader.plan import (
@@ -76,6 +77,8 @@ class RankDemands(NamedTuple):
     """The device type of its parameters (``"cuda"``, ``"cpu"``)."""
     left_to_host: list[str]
     """Its parameters the load leaves as the host initialised them (canonical names)."""
+    page_cache: bool
+    """Whether its kernel populates mappings on request (:func:`pagecache.supported`)."""
 
 
 class Streamed(NamedTuple):
@@ -197,7 +200,7 @@ def _load(
         device = tensors[next(iter(tensors))].device if tensors else _cpu()
         demands = [(n.hf, n.param.dtype) for n in needs]
         left = [p.name for p in left_to_host(params, needs)]
-        planned.share(RankDemands(node_key(), demands, device.type, left))
+        planned.share(RankDemands(node_key(), demands, device.type, left, pagecache.supported()))
     by_rank: list[RankDemands] = planned.shared
     groups = reader_groups(settings.reader, [r.node for r in by_rank])
     group = next(g for g in groups if rank in g)
@@ -224,13 +227,27 @@ def _load(
         )
 
     nodes = [r.node for r in by_rank]
-    route = open_route(groups, nodes, sets, own, backend=backend, device=device, board=board)
+    cached = settings.reader_node == "page_cache" and meta.format == "safetensors"
+    route = open_route(
+        groups,
+        nodes,
+        sets,
+        own,
+        page_cache=[cached and r.page_cache for r in by_rank],
+        backend=backend,
+        device=device,
+        board=board,
+    )
     coverage = Coverage()
     with phase(f"{PLUGIN}: streaming {checkpoint!r} and verifying the coverage") as loaded:
         stream = Stream(plan, needs, tensors, shard, coverage, route)
         read, sent = stream.run(meta, settings)
         coverage.check([n.param for n in needs])  # every parameter but those left to the host
         loaded.share(Streamed(read, sent))
+        # A rank done early waits here, as long as the readers read; the verdict's gather
+        # below is bounded by timeout_s from its start, which a long read would outlast.
+        board.arrive("streamed")
+        board.arrivals("streamed", dist.get_world_size(), "every rank to finish the stream")
     moved: list[Streamed] = loaded.shared
     return LoadReport(
         plugin=PLUGIN,

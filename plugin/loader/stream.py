@@ -39,7 +39,6 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 from megastart.distributed import CollectiveError
-from megastart.loader import pagecache
 from megastart.loader.checkpoint import CheckpointMeta, TensorReader
 from megastart.loader.pagecache import Frontier, Window
 from megastart.loader.plan import Bucket, Need, Plan, Slot
@@ -95,18 +94,11 @@ class Stream:
     def run(self, meta: CheckpointMeta, settings: Rank0LoaderSettings) -> tuple[int, int]:
         """Stream every bucket this rank takes part in; returns (bytes read, bytes sent between nodes)."""
         self.meta = meta
-        self.page_cache = (
-            self.route.node[0] == 0  # the reader's node
-            and settings.reader_node == "page_cache"
-            and meta.format == "safetensors"
-            and pagecache.supported()
-        )
-        """Whether this rank's node takes its slices out of the page cache (:mod:`~megastart.loader.pagecache`)."""
         if self.route.position == 0:
             return self._read(meta, settings)
         if self.route.leads:
             return self._relay()
-        if self.page_cache:
+        if self.route.page_cache:
             return self._take_cached()
         return self._take()
 
@@ -122,7 +114,7 @@ class Stream:
         with self._reader_slots() as slots, self._frontier() as frontier:
             fetch = partial(self._fetch, reader, slots, frontier)
             # From the page cache alone, nothing bounds the read-ahead: it holds no memory.
-            ahead = len(self.plan.buckets) if self.page_cache and leaders is None else SLOTS
+            ahead = len(self.plan.buckets) if self.route.page_cache and leaders is None else SLOTS
             prefetch = Prefetcher(reader, self.plan, fetch, ahead, board=self.route.board)
             try:
                 for index, bucket in enumerate(self.plan.buckets):
@@ -138,6 +130,7 @@ class Stream:
                             frontier,
                         )
                         raise
+                    self.route.board.advance()  # every peer's wait starts again
                     used = _InUse()
                     copied = None
                     if leaders is not None and isinstance(source, Window):  # no other node needs it
@@ -152,8 +145,7 @@ class Stream:
                         to = self.route.leaders_for(bucket.ranks)
                         used.sends.append(leaders.send(wire, to))
                         sent += bucket.nbytes if len(to) > 1 else 0
-                    if not self.page_cache:
-                        used.done = self._announce(index, slot, bucket.nbytes)
+                    used.done = self._announce(index, slot, bucket.nbytes)
                     used.release = partial(prefetch.release, slot, copied)
                     self._apply(index, source)
                     del source  # a bucket's mapping goes once it is applied
@@ -182,7 +174,7 @@ class Stream:
         the node's ranks may take it from the page cache (``frontier``)."""
         bucket = self.plan.buckets[index]
         source: Source
-        if self.page_cache and len(self.route.leaders_for(bucket.ranks)) == 1:
+        if self.route.page_cache and len(self.route.leaders_for(bucket.ranks)) == 1:
             Window(reader.meta, bucket.slots).populate(reader, pool, READ_PART_BYTES)
             # Mapped again, unpopulated, for the reader's own slices: it holds no memory until
             # the reader copies them, however far ahead this thread reads.
@@ -339,7 +331,7 @@ class Stream:
     def _frontier(self) -> Iterator[Frontier | None]:
         """How far the reader has read into the page cache, shared by its node's ranks
         (``None`` where no other rank polls it: the shared-memory route, a node of one rank)."""
-        if not self.page_cache or self.route.local is None:
+        if not self.route.page_cache or len(self.route.node) == 1:
             yield None
             return
         reader = f"the reader (rank {self.route.group[0]})"
@@ -356,19 +348,22 @@ class Stream:
         """The node's shared segment: made by the leader (who ``fill`` s it before the others
         look), mapped by all, its name removed once all have mapped it, and unmapped when the
         block ends."""
-        import torch.distributed as dist
-
-        segment = _open_segment(self.route, nbytes)
+        route = self.route
+        leader = route.group[route.node[0]]
+        segment = _open_segment(route, nbytes, fill)
         try:
-            if self.route.leads and fill is not None:
-                fill(segment)
-            mapped = dist.barrier(group=self.route.done, async_op=True)
-            self._reported(mapped, "mapped the shared segment")
-            if self.route.leads:
+            if route.leads:
+                route.board.arrivals(
+                    f"mapped/{leader}",
+                    len(route.node) - 1,
+                    f"node ranks {[route.group[p] for p in route.node]} to map the shared segment",
+                )
                 segment.unlink()
+            else:
+                route.board.arrive(f"mapped/{leader}")
             yield segment
         finally:
-            if self.route.leads:
+            if route.leads:
                 segment.unlink()
             segment.close()
 
@@ -378,7 +373,7 @@ class Stream:
         ones for the buckets other nodes need (none on a single node)."""
         import torch
 
-        if not self.page_cache:
+        if not self.route.page_cache:
             with self._slots() as slots:
                 yield slots
             return
@@ -453,14 +448,17 @@ class _InUse:
     release: Callable[[], None] | None = None
 
 
-def _open_segment(route: Route, nbytes: int) -> Segment:
-    """The leader makes the node's segment and posts its name on the load's board; the node's
-    other ranks map it whole (a leader that fails is announced there, and they stop)."""
+def _open_segment(route: Route, nbytes: int, fill: Callable[[Segment], None] | None) -> Segment:
+    """The leader makes the node's segment, ``fill`` s it and posts its name on the load's
+    board; the node's other ranks map it whole (a leader that fails is announced there, and
+    they stop)."""
     key = f"segment/{route.group[route.node[0]]}"
     if not route.leads:
         return Segment.open(route.board.read(key, "the name of the node's shared segment"))
     segment = Segment.create(nbytes)
     try:
+        if fill is not None:
+            fill(segment)
         route.board.post(key, segment.name)
     except BaseException:
         segment.unlink()
