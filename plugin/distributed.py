@@ -308,6 +308,44 @@ def destroy_group(group: dist.ProcessGroup | None) -> None:
         dist.destroy_process_group(group)
 
 
+_kept: dict[str, tuple[Any, Any]] = {}
+"""Per call name: the WORLD group its control group was made in, and the control group."""
+
+
+def kept_control(what: str, *, timeout_s: float) -> dist.ProcessGroup:
+    """A gloo group over WORLD for the phase reports of ``what``: made (collectively) by its
+    first call in this process and kept for the later ones, made anew once WORLD was rebuilt.
+
+    Tearing a gloo group down costs a warm 1 GB load about 40 ms of wall time even off its
+    thread (its connections close one by one), a fifth of the load; kept, it holds a socket
+    per peer and two idle threads. Its gloo timeout is the first call's ``timeout_s``: a
+    call's waits that may be long (for a reader) go through its :class:`Board`. A host that
+    destroys it (or every group) makes the next call make another.
+    """
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    kept = _kept.get(what)
+    if kept is None or kept[0] is not world or not _exists(kept[1]):
+        _kept[what] = (world, new_group(None, backend="gloo", timeout_s=timeout_s))
+    return _kept[what][1]
+
+
+def discard_control(what: str) -> None:
+    """Destroy the control group kept for ``what`` (after a failed call: it may hold operations
+    that never completed)."""
+    _, group = _kept.pop(what, (None, None))
+    if group is not None and _exists(group):
+        destroy_group(group)
+
+
+def _exists(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` is still registered (not destroyed by the host since)."""
+    from torch.distributed import distributed_c10d
+
+    return group in distributed_c10d._world.pg_map
+
+
 class OwnGroups:
     """The process groups one megastart call makes for itself, destroyed together at its end.
 

@@ -247,19 +247,21 @@ def load_for_engine_counting_warnings(checkpoint: str) -> tuple[Any, int]:
         logger.removeHandler(handler)
 
 
-def process_groups_before_and_after_load(
+def process_groups_before_and_after_loads(
     checkpoint: str, layout: dict[str, int]
-) -> tuple[int, int]:
-    """How many process groups exist before and after a load (the loader's own must be gone)."""
+) -> tuple[int, int, int]:
+    """How many process groups exist before a load, after it, and after a second one."""
     from torch.distributed import distributed_c10d
 
     from megastart import load_hf_checkpoint
 
     with megatron(layout):
         chunks = build(checkpoint)
-        before = len(distributed_c10d._world.pg_map)
-        load_hf_checkpoint(chunks, checkpoint, settings=settings(reader="node"))
-        return before, len(distributed_c10d._world.pg_map)
+        counts = [len(distributed_c10d._world.pg_map)]
+        for _ in range(2):
+            load_hf_checkpoint(chunks, checkpoint, settings=settings(reader="node"))
+            counts.append(len(distributed_c10d._world.pg_map))
+        return counts[0], counts[1], counts[2]
 
 
 def load_counting_received_bytes(

@@ -22,7 +22,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -34,6 +35,8 @@ from megastart.distributed import (
     agree,
     all_or_none,
     broadcast_or_raise,
+    discard_control,
+    kept_control,
 )
 from megastart.loader import pagecache
 from megastart.loader.checkpoint import CheckpointMeta, read_metadata
@@ -139,7 +142,7 @@ def load_hf_checkpoint(
     :raises UnsupportedArchitecture: on every rank, when no mapping table serves
         the checkpoint's ``architectures``.
     """
-    with _sticky.guard(passes=(UnsupportedArchitecture,)):
+    with _sticky.guard(passes=(UnsupportedArchitecture,)), _discarding_control():
         board = Board(PLUGIN)
         with board.announcing():
             settings = settings or _default_settings()
@@ -162,6 +165,17 @@ def load_hf_checkpoint(
 def reset_state() -> None:
     """Forget a failed load: only for a process that rebuilt its process groups (tests, demos)."""
     _sticky.reset()
+    discard_control(PLUGIN)
+
+
+@contextmanager
+def _discarding_control() -> Iterator[None]:
+    """The load's kept control group goes if the load fails (every rank's fails with it)."""
+    try:
+        yield
+    except BaseException:
+        discard_control(PLUGIN)
+        raise
 
 
 def _load(
@@ -176,7 +190,7 @@ def _load(
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    control = own.new(None, backend="gloo")
+    control = kept_control(PLUGIN, timeout_s=own.timeout_s)
     agree(
         PLUGIN,
         {f: v for f, v in dataclasses.asdict(settings).items() if f != "progress"},
