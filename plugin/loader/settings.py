@@ -46,7 +46,8 @@ class Rank0LoaderSettings:
     more per node, for no faster transfer."""
 
     timeout_s: float = 300.0
-    """Upper bound on any single collective of the load."""
+    """Upper bound on any single wait of the load; a wait on another rank counts it from the
+    readers' last progress, so a load may last longer."""
 
     strict: bool = False
     """Checkpoint tensors no parameter uses are an error (default: a warning)."""
