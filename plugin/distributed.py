@@ -48,6 +48,11 @@ class FailedBefore(CollectiveError):
 POLL_S = 0.1
 """How long a wait blocks before it looks at the :class:`Board` again."""
 
+PROGRESS_LOOK_S = 1.0
+"""How often a wait on a peer looks at the call's progress (:meth:`Board.advance`): a stall is
+named within this much of ``timeout_s`` after the last progress, at a store round trip per
+look on every waiting rank."""
+
 PEER_GRACE_S = 2.0
 """How much longer than ``timeout_s`` a rank waits on a peer than on itself: a rank
 stalled in its own work (a read) then names its stall before its peers time out."""
@@ -161,12 +166,15 @@ class Board:
         limit = self.timeout_s + (PEER_GRACE_S if peer else 0.0)
         deadline = time.monotonic() + limit
         progress = self._progress() if peer else 0
+        looked = time.monotonic()
         while not ready(POLL_S):
             failure = self.failure()
             if failure is not None:
                 raise PeerFailed(f"{self.what} failed on {failure}")
-            if peer and progress != (progress := self._progress()):
-                deadline = time.monotonic() + limit
+            if peer and (now := time.monotonic()) - looked >= PROGRESS_LOOK_S:
+                looked = now
+                if progress != (progress := self._progress()):
+                    deadline = now + limit
             if time.monotonic() >= deadline:
                 bound = (
                     f"{limit:g} s (timeout_s + {PEER_GRACE_S:g} s)"
@@ -180,9 +188,9 @@ class Board:
 
     def advance(self) -> None:
         """A reader made progress: the peer waits' ``timeout_s`` starts again (a store round trip
-        at most every half :data:`POLL_S`, which is as often as a wait looks)."""
+        at most every half :data:`PROGRESS_LOOK_S`)."""
         now = time.monotonic()
-        if now - self._advanced >= POLL_S / 2:
+        if now - self._advanced >= PROGRESS_LOOK_S / 2:
             self._advanced = now
             self._store.add("progress", 1)
 
