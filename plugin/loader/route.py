@@ -154,17 +154,16 @@ def open_route(
     index = next(i for i, group in enumerate(groups) if rank in group)
     group, its_nodes = groups[index], nodes[index]
     position = group.index(rank)
-    on_reader_node = position in its_nodes.members[0]
     route = Route(
         group,
         its_nodes,
         position,
         device,
-        None,
-        None,
-        None,
-        board,
-        cached[index] and on_reader_node,
+        leaders=None,
+        local=None,
+        done=None,
+        board=board,
+        page_cache=cached[index] and position in its_nodes.members[0],
     )
     mine = tuple(group[p] for p in route.node)
     if len(its_nodes.members) > 1 and route.leads:
