@@ -19,9 +19,10 @@ nox.options.reuse_existing_virtualenvs = True
 PYTHON = "3.11"
 TORCH = "torch==2.13.0"
 MEGATRON = "megatron-core==0.16.1"
-DISCARD_ENVS = "MEGASTART_NOX_DISCARD_ENVS"
+DISCARD_ENVS = "NOX_DISCARD_ENVS"
 """Set to 1 (CI does) to remove each session's environment when the session ends,
-pass or fail: together they take about 18 GB, more than a CI machine has had free."""
+pass or fail: together they take about 18 GB, more than a CI machine has had free.
+Not ``MEGASTART_*``: megastart refuses variables of its prefix that it does not know."""
 
 
 def session(func: Callable[..., None]) -> Callable[..., None]:
