@@ -165,13 +165,18 @@ class Board:
         """
         limit = self.timeout_s + (PEER_GRACE_S if peer else 0.0)
         deadline = time.monotonic() + limit
-        progress = self._progress() if peer else 0
+        progress: int | None = (
+            None  # looked at once the first slice did not do: most waits end in it
+        )
         looked = time.monotonic()
         while not ready(POLL_S):
             failure = self.failure()
             if failure is not None:
                 raise PeerFailed(f"{self.what} failed on {failure}")
-            if peer and (now := time.monotonic()) - looked >= PROGRESS_LOOK_S:
+            now = time.monotonic()
+            if peer and progress is None:
+                progress = self._progress()
+            elif peer and now - looked >= PROGRESS_LOOK_S:
                 looked = now
                 if progress != (progress := self._progress()):
                     deadline = now + limit
