@@ -254,8 +254,8 @@ def _load(
     )
     coverage = Coverage()
     with phase(f"{PLUGIN}: streaming {checkpoint!r} and verifying the coverage") as loaded:
-        stream = Stream(plan, needs, tensors, shard, coverage, route)
-        read, sent = stream.run(meta, settings)
+        stream = Stream(meta, plan, needs, tensors, shard, coverage, route)
+        read, sent = stream.run(settings)
         coverage.check([n.param for n in needs])  # every parameter but those left to the host
         loaded.share(Streamed(read, sent))
         # A rank done early waits here, as long as the readers read; the verdict's gather

@@ -69,6 +69,7 @@ class Stream:
 
     def __init__(
         self,
+        meta: CheckpointMeta,
         plan: Plan,
         needs: list[Need],
         tensors: dict[tuple[int, str], torch.Tensor],
@@ -76,6 +77,7 @@ class Stream:
         coverage: Coverage,
         route: Route,
     ) -> None:
+        self.meta = meta
         self.plan = plan
         self.tensors = tensors
         self.shard = shard
@@ -91,21 +93,20 @@ class Stream:
         self._announced = 0
         """How many of :attr:`local` the leader has announced."""
 
-    def run(self, meta: CheckpointMeta, settings: Rank0LoaderSettings) -> tuple[int, int]:
+    def run(self, settings: Rank0LoaderSettings) -> tuple[int, int]:
         """Stream every bucket this rank takes part in; returns (bytes read, bytes sent between nodes)."""
-        self.meta = meta
         if self.route.position == 0:
-            return self._read(meta, settings)
+            return self._read(settings)
         if self.route.leads:
             return self._relay()
         if self.route.page_cache:
             return self._take_cached()
         return self._take()
 
-    def _read(self, meta: CheckpointMeta, settings: Rank0LoaderSettings) -> tuple[int, int]:
+    def _read(self, settings: Rank0LoaderSettings) -> tuple[int, int]:
         import torch
 
-        reader = TensorReader(meta)
+        reader = TensorReader(self.meta)
         progress = Progress(self.plan.nbytes, enabled=settings.progress)
         leaders = self.route.leaders
         staging = self._staging()
