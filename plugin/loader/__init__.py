@@ -13,6 +13,7 @@ Modules, one concern each, in the order a load uses them:
 - ``route``: how buckets reach each rank: the nodes, their leaders, the channels between them;
 - ``shm``: node-shared memory segments (the bucket slots of a node that receives);
 - ``pagecache``: the reader's node copies from the page cache (file mappings, the reader's progress);
+- ``copier``: a rank's copies into its parameters, on a few threads, into CUDA through page-locked chunks;
 - ``stream``: the stream phase on one rank (read and send, or receive), applying buckets;
 - ``progress``: the reader's progress bar;
 - ``verify``: every parameter element written once (coverage);

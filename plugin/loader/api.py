@@ -40,6 +40,7 @@ from megastart.distributed import (
 )
 from megastart.loader import pagecache
 from megastart.loader.checkpoint import CheckpointMeta, read_metadata
+from megastart.loader.copier import Copier, copy_threads
 from megastart.loader.model import UnsupportedArchitecture, local_needs, mapping_table
 from megastart.loader.plan import (
     Demand,
@@ -254,8 +255,9 @@ def _load(
     )
     coverage = Coverage()
     with phase(f"{PLUGIN}: streaming {checkpoint!r} and verifying the coverage") as loaded:
-        stream = Stream(meta, plan, needs, tensors, shard, coverage, route)
-        read, sent = stream.run(settings)
+        with Copier(device, copy_threads(len(route.node))) as copier:
+            stream = Stream(meta, plan, needs, tensors, shard, coverage, route, copier)
+            read, sent = stream.run(settings)
         coverage.check([n.param for n in needs])  # every parameter but those left to the host
         loaded.share(Streamed(read, sent))
         # A rank done early waits here, as long as the readers read; the verdict's gather

@@ -63,6 +63,9 @@ def supported() -> bool:
 class Window:
     """Slots of one bucket as read-only views of the checkpoint's files (one mapping per file)."""
 
+    page_locked = False
+    """The files' pages are pageable memory."""
+
     def __init__(self, meta: CheckpointMeta, slots: Iterable[Slot]) -> None:
         import torch
 

@@ -33,7 +33,8 @@ class Rank0LoaderSettings:
     bucket_mb: float = 32.0
     """Tensors are streamed in buckets of at most this many MiB (a tensor larger than
     that travels as row blocks in several buckets). Transient memory is about three
-    buckets of shared memory per node, whatever the largest tensor. 32: on
+    buckets of shared memory per node, whatever the largest tensor, and with CUDA
+    parameters 32 MiB of page-locked staging per rank (:mod:`megastart.loader.copier`). 32: on
     ``megastart bench loader`` (1 GB Qwen2, TP2 x PP2, gloo) it loaded faster than
     64 or 256 when buckets travelled by broadcast (smaller messages let the read of
     the next bucket and the broadcast tree's hops overlap sooner); three 32 MiB

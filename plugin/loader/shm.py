@@ -23,6 +23,8 @@ import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from megastart.loader.copier import page_lock, page_unlock
+
 if TYPE_CHECKING:
     import torch
 
@@ -75,24 +77,15 @@ class Segment:
     def pin(self) -> None:
         """Page-lock the mapping for CUDA (``cudaHostRegister``): copies to the GPU then run at
         the link's rate with no staging copy, from every process of the node at once."""
-        import torch
-
         assert self.tensor is not None
-        error = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0)
-        if int(error) != 0:
-            raise RuntimeError(
-                f"cudaHostRegister of the {self.nbytes}-byte shared-memory segment failed "
-                f"({error}): raise the locked-memory limit (ulimit -l) or lower rank0_loader.bucket_mb"
-            )
+        page_lock(self.tensor, "the shared-memory segment")
         self._registered = True
 
     def close(self) -> None:
         """Unregister and drop this object's view: the memory is unmapped when the last
         tensor viewing it goes (a read thread left stalled keeps it mapped until it ends)."""
-        import torch
-
         if self._registered and self.tensor is not None:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            page_unlock(self.tensor)
             self._registered = False
         self.tensor = None
 

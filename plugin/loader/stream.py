@@ -16,9 +16,11 @@ Three roles (:mod:`megastart.loader.route`):
 
 Every rank applies a bucket (the transform of each HF tensor into the slice
 of each of its parameters that this rank holds, recorded in the coverage)
-from its node's shared memory: into CPU parameters with one copy; into CUDA
-parameters with one host-to-device copy per rank from the page-locked slot,
-so a node's GPUs fill in parallel over their own links. A slot is refilled
+from its node's shared memory or the page cache: into CPU parameters with one
+copy; into CUDA parameters with one host-to-device copy per rank, from the
+page-locked slot or through page-locked chunks filled on a few threads
+(:mod:`megastart.loader.copier`), so a node's GPUs fill in parallel over
+their own links. A slot is refilled
 once every local rank has reported it read; :data:`IN_FLIGHT` buckets are in
 use at once, and one more slot is being filled.
 
@@ -36,10 +38,11 @@ from concurrent.futures import Executor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from megastart.distributed import CollectiveError
 from megastart.loader.checkpoint import CheckpointMeta, TensorReader
+from megastart.loader.copier import Copier
 from megastart.loader.pagecache import Frontier, Window
 from megastart.loader.plan import Bucket, Need, Plan, Slot
 from megastart.loader.progress import Progress
@@ -76,6 +79,7 @@ class Stream:
         shard: Shard,
         coverage: Coverage,
         route: Route,
+        copier: Copier,
     ) -> None:
         self.meta = meta
         self.plan = plan
@@ -83,6 +87,7 @@ class Stream:
         self.shard = shard
         self.coverage = coverage
         self.route = route
+        self.copier = copier
         self.consumers: dict[str, list[tuple[Need, int]]] = {}
         """HF tensor name -> this rank's needs that take it, and as which input."""
         for need in needs:
@@ -403,11 +408,12 @@ class Stream:
 
     def _apply(self, index: int, source: Source) -> None:
         """Copy this rank's slices of bucket ``index`` from ``source`` into its parameters
-        (converting to their dtype); returns once the copies are done (the slot may be
-        refilled then)."""
+        (converting to their dtype); returns once the copies have read ``source`` (the slot
+        may be refilled then; copies into CUDA may still be in flight until the copier
+        closes)."""
         import torch
 
-        with torch.no_grad():
+        with torch.no_grad(), self.copier.batch():
             for slot in self.plan.buckets[index].slots:
                 for need, input_index in self.consumers.get(slot.name, ()):
                     param = self.tensors[(need.param.chunk, need.param.local_name)]
@@ -418,14 +424,17 @@ class Stream:
                         need.param.shape,
                         self.shard,
                     ):
-                        param.data[first:stop].copy_(piece, non_blocking=True)
+                        self.copier.copy(param.data[first:stop], piece, source.page_locked)
                         self.coverage.record(need.param, first, stop)
-        if self.route.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
 
 
 class Source(Protocol):
     """Where a rank finds a bucket's slots: a buffer, or the files' pages (:class:`Window`)."""
+
+    @property
+    def page_locked(self) -> bool:
+        """Whether the bytes are in memory registered with CUDA, with CUDA parameters."""
+        ...
 
     def view(self, slot: Slot) -> torch.Tensor: ...
 
@@ -435,6 +444,8 @@ class Payload:
     """A bucket's bytes in a buffer (a slot of shared memory, a received broadcast)."""
 
     data: torch.Tensor
+    page_locked: ClassVar[bool] = True
+    """With CUDA parameters, every slot of the loader is page-locked (:meth:`Stream._slots`)."""
 
     def view(self, slot: Slot) -> torch.Tensor:
         return slot_view(self.data, slot)
