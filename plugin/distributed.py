@@ -23,7 +23,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -321,8 +321,15 @@ def destroy_group(group: dist.ProcessGroup | None) -> None:
         dist.destroy_process_group(group)
 
 
-_kept: dict[str, tuple[Any, Any]] = {}
-"""Per call name: the WORLD group its control group was made in, and the control group."""
+class _Kept(NamedTuple):
+    """A control group kept for a call name, and the WORLD group it was made in."""
+
+    world: dist.ProcessGroup | None
+    group: dist.ProcessGroup
+
+
+_kept: dict[str, _Kept] = {}
+"""Per call name, its kept control group."""
 
 
 def kept_control(what: str, *, timeout_s: float) -> dist.ProcessGroup:
@@ -339,17 +346,17 @@ def kept_control(what: str, *, timeout_s: float) -> dist.ProcessGroup:
 
     world = dist.group.WORLD
     kept = _kept.get(what)
-    if kept is None or kept[0] is not world or not _exists(kept[1]):
-        _kept[what] = (world, new_group(None, backend="gloo", timeout_s=timeout_s))
-    return _kept[what][1]
+    if kept is None or kept.world is not world or not _exists(kept.group):
+        kept = _kept[what] = _Kept(world, new_group(None, backend="gloo", timeout_s=timeout_s))
+    return kept.group
 
 
 def discard_control(what: str) -> None:
     """Destroy the control group kept for ``what`` (after a failed call: it may hold operations
     that never completed)."""
-    _, group = _kept.pop(what, (None, None))
-    if group is not None and _exists(group):
-        destroy_group(group)
+    kept = _kept.pop(what, None)
+    if kept is not None and _exists(kept.group):
+        destroy_group(kept.group)
 
 
 def _exists(group: dist.ProcessGroup) -> bool:

@@ -60,10 +60,12 @@ _OK, _FAILED = 0, 1
 IN_FLIGHT = 2
 """Payload broadcasts a rank has in flight at once; each holds a bucket-sized buffer."""
 
-Fetched = TypeVar("Fetched")
-
 READ_THREADS = min(8, os.cpu_count() or 1)
 """Threads of the reader that read one bucket's parts at once (see :func:`fill`)."""
+
+READ_PART_BYTES = 4 * 2**20
+"""Bytes one read thread copies at a time: a bucket's slots are split into row ranges of
+about this size and read in parallel."""
 
 
 class ReaderError(RuntimeError):
@@ -245,6 +247,9 @@ class Channel:
         return dist.broadcast(tensor, src=self.src, group=group, async_op=async_op)
 
 
+Fetched = TypeVar("Fetched")
+
+
 class Prefetcher(Generic[Fetched]):
     """Fetches the plan's buckets in a background thread, ahead of the sender.
 
@@ -338,11 +343,6 @@ class Prefetcher(Generic[Fetched]):
         finally:  # the reads of a failed bucket end first: then no read uses the files
             self._pool.shutdown(cancel_futures=True)
             self._reader.close()
-
-
-READ_PART_BYTES = 4 * 2**20
-"""Bytes one read thread copies at a time: a bucket's slots are split into row ranges of
-about this size and read in parallel."""
 
 
 def fill(reader: TensorReader, bucket: Bucket, buffer: torch.Tensor, pool: Executor) -> None:
