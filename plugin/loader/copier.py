@@ -77,8 +77,6 @@ class Copier:
     def __init__(self, device: torch.device, threads: int) -> None:
         cuda = device.type == "cuda"
         self._pool = ThreadPoolExecutor(threads, "megastart-copy") if cuda and threads > 1 else None
-        self._pending: list[Future[Any]] = []
-        """Fills on the threads."""
         self._direct = False
         """A copy of this batch reads its page-locked source straight from the GPU."""
         self._chunks: list[torch.Tensor] = []
@@ -111,14 +109,11 @@ class Copier:
             while self._filling:
                 self._send_oldest()
         except BaseException:
-            self._settle()
+            self._abandon()
             raise
-        error = self._settle()
         if self._direct:
             torch.cuda.current_stream().synchronize()
             self._direct = False
-        if error is not None:
-            raise error
 
     def copy(self, target: torch.Tensor, source: torch.Tensor, page_locked: bool) -> None:
         """``target[...] = source`` (converting the dtype), inside a :meth:`batch`;
@@ -135,7 +130,7 @@ class Copier:
         """Wait for every copy, stop the threads, free the page-locked chunks."""
         import torch
 
-        self._settle()
+        self._abandon()
         if self._pool is not None:
             self._pool.shutdown()
         if self._chunks:
@@ -173,8 +168,6 @@ class Copier:
             filled = self._pool.submit(staged.copy_, block) if self._pool else None
             if filled is None:
                 staged.copy_(block)
-            else:
-                self._pending.append(filled)
             self._filling.append(_Fill(filled, staged, target[first : first + len(block)], turn))
 
     def _send_oldest(self) -> None:
@@ -189,13 +182,11 @@ class Copier:
         copied.record()
         self._copied[fill.turn] = copied
 
-    def _settle(self) -> BaseException | None:
-        """Wait for every fill on the threads; the first error among them. (Chunks not sent
-        to the GPU yet are dropped: the batch failed.)"""
-        pending, self._pending = self._pending, []
+    def _abandon(self) -> None:
+        """Drop the chunks not sent to the GPU (the batch failed), once their fills have
+        ended: then no thread reads a source any more. Their errors are the batch's echo."""
+        wait_all([fill.filled for fill in self._filling if fill.filled is not None])
         self._filling.clear()
-        wait_all(pending)
-        return next((e for e in (f.exception() for f in pending) if e is not None), None)
 
 
 @dataclass(frozen=True, slots=True)
