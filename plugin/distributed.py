@@ -165,9 +165,8 @@ class Board:
         """
         limit = self.timeout_s + (PEER_GRACE_S if peer else 0.0)
         deadline = time.monotonic() + limit
-        progress: int | None = (
-            None  # looked at once the first slice did not do: most waits end in it
-        )
+        # The readers' progress is looked at once the first slice did not do: most waits end in it.
+        progress: int | None = None
         looked = time.monotonic()
         while not ready(POLL_S):
             failure = self.failure()
