@@ -229,9 +229,10 @@ def unused_tensors(
 ) -> list[str]:
     """Checkpoint tensors no rank uses (the table's ``ignored`` ones excepted, and for a
     value model the heads it did not take: the LM head of the causal LM it starts from)."""
-    used = {name for demands in demands_by_rank for names, _ in demands for name in names}
-    expected = set(table.value_head_sources) if value_model else set()
-    return sorted(n for n in meta.tensors if n not in used | expected and not table.is_ignored(n))
+    consumed = {name for demands in demands_by_rank for names, _ in demands for name in names}
+    if value_model:
+        consumed.update(table.value_head_sources)
+    return sorted(n for n in meta.tensors if n not in consumed and not table.is_ignored(n))
 
 
 def build_plan(
