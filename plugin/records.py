@@ -58,6 +58,12 @@ class EngineContext:
     settings: Settings | None = None
     """The resolved megastart settings (``None``: resolve from the environment)."""
 
+    host_dequantises: frozenset[str] = frozenset()
+    """The quantisations (``quantization_config.quant_method``: ``"fp8"``, ...) whose
+    checkpoints the host's own loader, on the path ``on_model_load`` replaces, dequantises.
+    A quantised checkpoint a plugin cannot dequantise is left to the host for these, and
+    refused for any other (never cast)."""
+
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Host-specific details a plugin may use at its own risk (documented per adapter)."""
 

@@ -145,8 +145,8 @@ def reader_storage_fails(good_reads: int, failure: Any):
     (``pagecache.populate``), whichever route the load takes."""
     import torch.distributed as dist
 
-    from megastart.loader import checkpoint as checkpoint_module
     from megastart.loader import pagecache
+    from megastart.loader.checkpoint import reader as checkpoint_module
 
     originals = checkpoint_module.read_exact, pagecache.populate
     calls = [0]

@@ -359,7 +359,9 @@ def test_unused_tensors_grows_linearly_with_the_tensor_count() -> None:
     import time
 
     def work(count: int) -> float:
-        names = [f"model.layers.{i // 64}.mlp.experts.{i % 64}.up_proj.weight" for i in range(count)]
+        names = [
+            f"model.layers.{i // 64}.mlp.experts.{i % 64}.up_proj.weight" for i in range(count)
+        ]
         meta = CheckpointMeta(
             "/ckpt",
             {},

@@ -11,13 +11,12 @@ import logging
 import threading
 from types import ModuleType
 
-from megastart.engines.base import Compatibility, EngineAdapter, IncompatibleHost
+from megastart.engines.base import Compatibility, EngineAdapter
 from megastart.manager import ENGINE_GROUP, engine_entry_points, get_settings
 
 __all__ = [
     "Compatibility",
     "EngineAdapter",
-    "IncompatibleHost",
     "adapters",
     "attach_adapter",
     "detach_all",

@@ -41,6 +41,7 @@ from typing import Any, ClassVar
 import wrapt
 
 from megastart.engines.base import EngineAdapter, argument, before_first_step, unwrap
+from megastart.errors import HostError
 from megastart.manager import call_hook
 from megastart.records import EngineContext
 
@@ -48,6 +49,11 @@ log = logging.getLogger("megastart")
 
 Wrapped = Callable[..., Any]
 """The host method a wrapt wrapper receives (bound: ``self`` is ``instance``)."""
+
+_DEQUANTISES = {"mbridge": frozenset({"fp8"})}
+"""What AReaL's own HF loader dequantises, by ``MegatronEngine.bridge_cls``: its default
+(``load_weights_from_hf_with_mbridge_fast``) dequantises FP8 block-scaled weights
+(``weight_scale_inv``); Megatron-Bridge's bridges of the architectures megastart serves do not."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -64,7 +70,7 @@ class ArealSettings:
     and refreshes the optimizer's main parameters from it."""
 
 
-class HookFailedBefore(RuntimeError):
+class HookFailedBefore(HostError):
     """A megastart hook was reached again after a hook failed in this process."""
 
 
@@ -187,6 +193,7 @@ class ArealAdapter(EngineAdapter):
             hf_config=getattr(engine, "hf_config", None),
             is_restart=is_restart,
             value_model=bool(engine.config.is_critic),
+            host_dequantises=_DEQUANTISES.get(str(getattr(engine, "bridge_cls", "")), frozenset()),
             extra={
                 "areal_engine": engine,
                 "ddp_config": getattr(engine.model[0], "ddp_config", None),

@@ -33,10 +33,6 @@ from megastart.records import EngineContext
 log = logging.getLogger("megastart")
 
 
-class IncompatibleHost(RuntimeError):
-    """The installed host is not one this adapter can attach to."""
-
-
 @dataclass(frozen=True, slots=True)
 class Compatibility:
     installed_version: str | None
@@ -154,6 +150,7 @@ class EngineAdapter(ABC):
         is_restart: bool,
         extra: Mapping[str, Any],
         value_model: bool = False,
+        host_dequantises: frozenset[str] = frozenset(),
     ) -> EngineContext:
         """The ``EngineContext`` of one of this host's models, with this process's settings."""
         return EngineContext(
@@ -167,6 +164,7 @@ class EngineAdapter(ABC):
             is_restart=is_restart,
             value_model=value_model,
             settings=get_settings(),
+            host_dequantises=host_dequantises,
             extra=extra,
         )
 

@@ -39,7 +39,7 @@ from megastart.distributed import (
     kept_control,
 )
 from megastart.loader import pagecache
-from megastart.loader.checkpoint import CheckpointMeta, read_metadata
+from megastart.loader.checkpoint import CheckpointMeta, QuantisedCheckpoint, read_metadata
 from megastart.loader.copier import Copier, copy_threads
 from megastart.loader.model import UnsupportedArchitecture, local_needs, mapping_table
 from megastart.loader.plan import (
@@ -93,20 +93,34 @@ class Streamed(NamedTuple):
 
 
 def load_for_engine(engine: EngineContext, checkpoint: str) -> LoadReport | None:
-    """``on_model_load`` of the ``rank0_loader`` plugin: ``None`` (one warning) if no table fits."""
+    """``on_model_load`` of the ``rank0_loader`` plugin: ``None`` (one line on rank 0) if no
+    table fits, or if the checkpoint is quantised and the host's own loader dequantises it."""
     # Resolved inside the load otherwise, so that an error doing it reaches every rank.
     settings = engine.settings.section(PLUGIN) if engine.settings is not None else None
     try:
         return load_hf_checkpoint(
             engine.model_chunks, checkpoint, settings=settings, value_model=engine.value_model
         )
-    except (
-        UnsupportedArchitecture
-    ) as e:  # decided on every rank from the same metadata, before any transfer
+    # Both decided on every rank from the same metadata, before any transfer.
+    except UnsupportedArchitecture as e:
         if _rank() == 0:
             log.warning(
                 "megastart: rank0_loader does not handle this checkpoint: %s; the host's loader runs",
                 e,
+            )
+        return None
+    except QuantisedCheckpoint as e:
+        if e.method not in engine.host_dequantises:
+            if _rank() == 0:
+                log.error("megastart: rank0_loader refuses the load on every rank: %s", e)
+            raise
+        if _rank() == 0:
+            log.warning(
+                "megastart: rank0_loader leaves %r whole to %s's own loader, which dequantises "
+                "%s checkpoints (rank0_loader does not)",
+                checkpoint,
+                engine.host,
+                e.method,
             )
         return None
 
@@ -142,8 +156,13 @@ def load_hf_checkpoint(
         failed in this process.
     :raises UnsupportedArchitecture: on every rank, when no mapping table serves
         the checkpoint's ``architectures``.
+    :raises megastart.loader.checkpoint.QuantisedCheckpoint: on every rank, when the
+        checkpoint is quantised (its weights would be cast without their scales).
     """
-    with _sticky.guard(passes=(UnsupportedArchitecture,)), _discarding_control():
+    with (
+        _sticky.guard(passes=(UnsupportedArchitecture, QuantisedCheckpoint)),
+        _discarding_control(),
+    ):
         board = Board(PLUGIN)
         with board.announcing():
             settings = settings or _default_settings()
@@ -209,6 +228,8 @@ def _load(
         control=control,
     )
     table = mapping_table(meta)
+    if meta.quantisation is not None:  # never cast without the scales, whatever strict says
+        raise meta.quantisation.refusal(checkpoint)
 
     with phase(f"{PLUGIN}: planning") as planned:
         params, tensors, shard, needs = local_needs(chunks, meta, table, value_model=value_model)

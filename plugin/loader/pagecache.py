@@ -28,14 +28,20 @@ import ctypes
 import functools
 import mmap
 import os
+import weakref
 from collections.abc import Iterable
 from concurrent.futures import Executor
 from errno import EINTR
-from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from megastart.distributed import Board, CollectiveError, polled
-from megastart.loader.checkpoint import ITEMSIZE, CheckpointMeta, TensorEntry, TensorReader
+from megastart.loader.checkpoint import (
+    ITEMSIZE,
+    CheckpointMeta,
+    TensorEntry,
+    TensorReader,
+    open_shard,
+)
 from megastart.loader.plan import Plan, Slot
 from megastart.loader.shm import Segment
 from megastart.loader.transport import ReaderError
@@ -67,7 +73,6 @@ class Window:
     """The files' pages are pageable memory."""
 
     def __init__(self, meta: CheckpointMeta, slots: Iterable[Slot]) -> None:
-        import torch
 
         self.entries = {
             slot.name: meta.tensors[slot.name].row_range(slot.rows.start, slot.rows.stop)
@@ -82,12 +87,11 @@ class Window:
                 ranges[entry.file] = min(low, entry.start), max(high, entry.end)
         for file, (low, high) in ranges.items():
             start = low - low % mmap.ALLOCATIONGRANULARITY
-            fd = os.open(Path(meta.directory) / file, os.O_RDONLY)
-            try:  # private and writable, so torch takes it without a copy; nothing writes to it
-                mapping = mmap.mmap(fd, high - start, offset=start, access=mmap.ACCESS_COPY)
+            fd = open_shard(meta.directory, file, meta.shards[file])
+            try:
+                self._maps[file] = start, map_file(fd, start, high - start)
             finally:
                 os.close(fd)
-            self._maps[file] = start, torch.frombuffer(mapping, dtype=torch.uint8)
 
     def view(self, slot: Slot) -> torch.Tensor:
         """The slot's rows as the file holds them (the checkpoint's dtype), shaped as the slot."""
@@ -120,9 +124,44 @@ class Window:
         reader.count(sum(entry.end - entry.start for entry in self.entries.values()))
 
 
+def map_file(fd: int, offset: int, length: int) -> torch.Tensor:
+    """``length`` bytes of the file open as ``fd`` from ``offset`` (a multiple of the page size)
+    on, mapped as a ``uint8`` tensor that holds no file descriptor (``mmap.mmap`` keeps a
+    duplicate per mapping: a load's mappings would count against ``ulimit -n``); unmapped
+    when the tensor's memory is freed. Private and writable, so torch takes it without a
+    copy; nothing writes to it."""
+    import torch
+
+    libc = _libc()
+    address = libc.mmap(None, length, _PROT_READ_WRITE, _MAP_PRIVATE, fd, offset)
+    if address == _MAP_FAILED:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"mapping {length} bytes of a shard failed: {os.strerror(errno)}")
+    mapping: Any = type("Mapping", (ctypes.c_ubyte * length,), {})  # weak-referenceable
+    pages = mapping.from_address(address)
+    weakref.finalize(pages, libc.munmap, address, length)  # torch keeps ``pages`` alive
+    return torch.frombuffer(pages, dtype=torch.uint8)
+
+
+_PROT_READ_WRITE = mmap.PROT_READ | mmap.PROT_WRITE
+_MAP_PRIVATE = mmap.MAP_PRIVATE
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
 @functools.cache
 def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    )
+    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    return libc
 
 
 def _read_part(

@@ -162,6 +162,7 @@ class Stream:
                 while in_use:
                     self._finish(in_use.popleft())
                 self._drain()
+                reader.check_unchanged()  # the bytes sent were one version of the checkpoint
             finally:
                 prefetch.close()
         return reader.bytes_read, sent

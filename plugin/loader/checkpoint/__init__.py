@@ -1,0 +1,52 @@
+"""Reading an HF checkpoint directory: ``config.json``, safetensors headers, tensor bytes.
+
+Only the reader rank reads the metadata. :func:`read_metadata` reads the config
+and the headers (a few KiB per shard) and checks everything that can be checked
+without reading the tensors: the index names existing regular files inside the
+checkpoint directory, each header passes ``safetensors``' own validation, dtypes
+are known, and the checkpoint is not quantised in a way the loader would cast
+(:mod:`.quantised`). It records each shard's identity (:mod:`.files`), so every
+later open of a shard, on any rank, is checked against the version the plan was
+made from. :class:`TensorReader` then reads one tensor's bytes straight into a
+caller's buffer, keeping a bounded number of shard files open.
+
+The modules: :mod:`.meta` (config, index, the metadata record), :mod:`.headers`
+(safetensors headers), :mod:`.pickles` (``.bin`` files), :mod:`.files` (regular
+files, identities, bounded handles), :mod:`.quantised`, :mod:`.reader`.
+"""
+
+from megastart.loader.checkpoint.files import ShardIdentity, check_unchanged, open_shard
+from megastart.loader.checkpoint.meta import (
+    BIN_INDEX,
+    ITEMSIZE,
+    SAFETENSORS_INDEX,
+    CheckpointError,
+    CheckpointMeta,
+    TensorEntry,
+    causal_lm_for_model_type,
+    read_config,
+    read_metadata,
+    resolve_architectures,
+)
+from megastart.loader.checkpoint.quantised import Quantisation, QuantisedCheckpoint
+from megastart.loader.checkpoint.reader import TensorReader, read_exact
+
+__all__ = [
+    "BIN_INDEX",
+    "ITEMSIZE",
+    "SAFETENSORS_INDEX",
+    "CheckpointError",
+    "CheckpointMeta",
+    "Quantisation",
+    "QuantisedCheckpoint",
+    "ShardIdentity",
+    "TensorEntry",
+    "TensorReader",
+    "causal_lm_for_model_type",
+    "check_unchanged",
+    "open_shard",
+    "read_config",
+    "read_exact",
+    "read_metadata",
+    "resolve_architectures",
+]
