@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from importlib import import_module
 from typing import Any
 
+from megastart.errors import MegastartError
+
 DESCRIPTION = """\
 megastart keeps Megatron-core RL post-training jobs (verl, AReaL) from dying
 while they start:
@@ -44,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of an error, not only its message"
+    )
+    parser.add_argument("--version", action="version", version=f"megastart {_version()}")
     add_subcommands(parser.add_subparsers(dest="command", metavar="COMMAND"), COMMANDS)
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -54,7 +60,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    return int(args.run(args))
+    try:
+        return int(args.run(args))
+    except MegastartError as e:
+        if args.debug:
+            raise
+        print(f"megastart {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("megastart")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def add_subcommands(sub: Any, commands: Mapping[str, str], *, run_attr: str = "run") -> None:

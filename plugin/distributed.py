@@ -25,12 +25,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from megastart.errors import CollectiveError
+
 if TYPE_CHECKING:
     import torch.distributed as dist
-
-
-class CollectiveError(RuntimeError):
-    """A megastart collective failed on at least one rank; raised on every rank."""
 
 
 class PeerFailed(CollectiveError):

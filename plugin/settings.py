@@ -24,14 +24,14 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
+from megastart.errors import SettingsError
+
+__all__ = ["SettingsError"]  # and the names below
+
 ENV_PREFIX = "MEGASTART_"
 
 Source = str
 """Where a value came from: ``"default"``, ``"config"`` or ``"env:NAME"``."""
-
-
-class SettingsError(ValueError):
-    """A setting that does not exist or whose value cannot be used."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -110,3 +110,33 @@ def test_status_does_not_warn_for_the_tested_megatron_core():
         "installed_version": metadata.version("megatron-core"),
         "warning": None,
     }
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (
+            ("status",),
+            {"MEGASTART_RANK0_LOADER_BUCKET_MB": "abc"},
+            "megastart status: MEGASTART_RANK0_LOADER_BUCKET_MB='abc': expected float, got 'abc'",
+        ),
+        (
+            ("bench", "loader", "--checkpoint", "/nonexistent"),
+            {},
+            "megastart bench: checkpoint directory '/nonexistent' does not exist",
+        ),
+    ],
+)
+def test_an_error_is_its_message_and_exit_status_2_without_a_traceback(
+    argv: tuple[str, ...], env: dict[str, str], message: str
+) -> None:
+    proc = run_python(STATUS.format(argv=list(argv)), env=env, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(message), proc.stderr
+    assert "Traceback" not in proc.stderr
+    debug = run_python(STATUS.format(argv=["--debug", *argv]), env=env, check=False)
+    assert "Traceback" in debug.stderr and debug.returncode == 1
+
+
+def test_version_names_the_installed_distribution() -> None:
+    assert status("--version").stdout == f"megastart {metadata.version('megastart')}\n"

@@ -11,8 +11,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from megastart.errors import SettingsError
 
-class DemoError(ValueError):
+
+class DemoError(SettingsError):
     """The demo cannot run with these arguments; the message says why and what to change."""
 
 

@@ -13,16 +13,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from megastart.errors import PlanError
 from megastart.loader.checkpoint import ITEMSIZE, CheckpointMeta, TensorEntry
 from megastart.loader.mappings import VALUE_HEAD, VALUE_MODEL_UNCHECKED, MappingTable
 from megastart.loader.transforms import TRANSFORMS, Rows, Shard
 
 _ALIGN = 64
 """Byte alignment of each tensor in a bucket, so every dtype view of it is aligned."""
-
-
-class PlanError(ValueError):
-    """The checkpoint does not fit the model that was built (message names tensors and shapes)."""
 
 
 @dataclass(frozen=True, slots=True)

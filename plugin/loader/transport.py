@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from megastart.distributed import Board, CollectiveError, OwnGroups
+from megastart.errors import MegastartError
 from megastart.loader.checkpoint import TensorReader
 from megastart.loader.plan import Bucket, Plan, Slot
 
@@ -68,7 +69,7 @@ READ_PART_BYTES = 4 * 2**20
 about this size and read in parallel."""
 
 
-class ReaderError(RuntimeError):
+class ReaderError(MegastartError, RuntimeError):
     """The reader rank could not read a bucket; raised on every rank of its group."""
 
 

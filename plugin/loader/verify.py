@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from megastart.errors import PlanError
 from megastart.loader.plan import ParamInfo
 
 
-class CoverageError(RuntimeError):
+class CoverageError(PlanError):
     """Some parameter elements were not written, or written twice: the model is half-loaded."""
 
 
