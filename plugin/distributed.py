@@ -484,15 +484,15 @@ def broadcast_or_raise(
     """``produce()`` run on rank ``src``, its result returned on every rank; its error raised on every rank.
 
     One broadcast: the other ranks have nothing to report, so no all-gather is needed.
+    ``produce()`` runs on a thread of its own: if it has not returned within ``timeout_s``
+    (a read the storage never answers), that is the error, on every rank; the thread
+    is left to the kernel.
     """
     import torch.distributed as dist
 
     box: list[Any] = [None]
     if dist.get_rank() == src:
-        try:
-            box[0] = (None, produce())
-        except BaseException as e:  # raised below, on every rank
-            box[0] = (_describe(e), None)
+        box[0] = _bounded(produce, timeout_s)
     try:
         dist.broadcast_object_list(box, src=src, group=control)
     except Exception as e:
@@ -504,6 +504,27 @@ def broadcast_or_raise(
     if error is not None:
         raise CollectiveError(f"{what} failed on rank {src}: {error}")
     return value
+
+
+def _bounded(produce: Callable[[], Any], timeout_s: float) -> tuple[str | None, Any]:
+    """``(None, produce())``, or ``(error, None)`` if it raised or did not return within ``timeout_s``."""
+    outcome: list[tuple[str | None, Any]] = []
+
+    def run() -> None:
+        try:
+            outcome.append((None, produce()))
+        except BaseException as e:  # raised by the caller, on every rank
+            outcome.append((_describe(e), None))
+
+    thread = threading.Thread(target=run, name="megastart-bounded", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not outcome:
+        return (
+            f"it did not finish within timeout_s={timeout_s:g} s (the storage did not answer)",
+            None,
+        )
+    return outcome[0]
 
 
 def agree(what: str, values: Mapping[str, Any], *, control: dist.ProcessGroup, fix: str) -> None:

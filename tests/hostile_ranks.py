@@ -39,11 +39,18 @@ def load_while_replacing_the_checkpoint(checkpoint: str, overrides: dict[str, An
 
 
 def timed_error(checkpoint: str, overrides: dict[str, Any], build_from: str) -> tuple[str, float]:
-    """The error this rank raised, and how long the load took to raise it (the model built
-    from ``build_from``'s config)."""
-    start = time.monotonic()
-    message = load_expecting_error(checkpoint, {"tp": 2}, overrides, build_from)
-    return message, time.monotonic() - start
+    """The error this rank's load raised, and how long the load took to raise it (the model
+    built beforehand from ``build_from``'s config)."""
+    from megastart import load_hf_checkpoint
+
+    with megatron({"tp": 2}):
+        chunks = build(build_from)
+        start = time.monotonic()
+        try:
+            load_hf_checkpoint(chunks, checkpoint, settings=settings(**overrides))
+        except Exception as e:
+            return f"{type(e).__name__}: {e}", time.monotonic() - start
+        return "loaded", time.monotonic() - start
 
 
 def load_with_few_file_handles(checkpoint: str, overrides: dict[str, Any], spare: int) -> str:
@@ -95,3 +102,26 @@ def load_for_host(checkpoint: str, host_dequantises: frozenset[str]) -> tuple[st
             return ("left to the host" if report is None else "loaded"), lines
     finally:
         logger.removeHandler(handler)
+
+
+def load_with_stalled_metadata(
+    checkpoint: str, overrides: dict[str, Any], stall_s: float
+) -> tuple[str, float]:
+    """Rank 0's read of the shards' headers stalls for ``stall_s`` (storage that does not
+    answer); the error each rank raised, and how long it took."""
+    import torch.distributed as dist
+
+    from megastart.loader.checkpoint import headers
+
+    original = headers.read_headers
+
+    def stalled(*args: Any) -> Any:
+        time.sleep(stall_s)
+        return original(*args)
+
+    if dist.get_rank() == 0:
+        headers.read_headers = stalled
+    try:
+        return timed_error(checkpoint, overrides, checkpoint)
+    finally:
+        headers.read_headers = original

@@ -18,6 +18,7 @@ from hostile_ranks import (
     load_for_host,
     load_while_replacing_the_checkpoint,
     load_with_few_file_handles,
+    load_with_stalled_metadata,
     timed_error,
 )
 from loader_ranks import load_expecting_error
@@ -43,6 +44,22 @@ def original(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("llama")
     make_checkpoint("llama", directory, tie_word_embeddings=False)
     return directory
+
+
+@pytest.fixture(scope="module")
+def bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A bf16 checkpoint, as DeepSeek-V3's FP8 weights were made from."""
+    from megastart.demo.checkpoints import make_checkpoint
+
+    directory = tmp_path_factory.mktemp("llama_bf16")
+    make_checkpoint("llama", directory, tie_word_embeddings=False, dtype="bfloat16")
+    return directory
+
+
+@pytest.fixture
+def quantisable(bf16: Path, tmp_path: Path) -> Path:
+    """A copy of the bf16 checkpoint that a test quantises."""
+    return Path(shutil.copytree(bf16, tmp_path / "checkpoint"))
 
 
 @pytest.fixture
@@ -125,8 +142,9 @@ def quantise(directory: Path, form: str) -> None:
 )
 @pytest.mark.parametrize("route", ROUTES)
 def test_quantised_checkpoint_is_refused_on_every_rank_not_cast(
-    pool: RankPool, checkpoint: Path, form: str, method: str, evidence: str, route: str
+    pool: RankPool, quantisable: Path, form: str, method: str, evidence: str, route: str
 ) -> None:
+    checkpoint = quantisable
     quantise(checkpoint, form)
     message = same_on_every_rank(
         pool.run(load_expecting_error, str(checkpoint), TP2, {"reader_node": route})
@@ -140,8 +158,9 @@ def test_quantised_checkpoint_is_refused_on_every_rank_not_cast(
 
 
 def test_quantised_checkpoint_goes_whole_to_a_host_that_dequantises_it(
-    pool: RankPool, checkpoint: Path
+    pool: RankPool, quantisable: Path
 ) -> None:
+    checkpoint = quantisable
     quantise(checkpoint, "fp8")
     (left, lines0), (left1, lines1) = pool.run(load_for_host, str(checkpoint), frozenset({"fp8"}))
     assert left == left1 == "left to the host"
@@ -150,8 +169,9 @@ def test_quantised_checkpoint_goes_whole_to_a_host_that_dequantises_it(
 
 
 def test_quantised_checkpoint_is_refused_where_the_host_does_not_dequantise_it(
-    pool: RankPool, checkpoint: Path
+    pool: RankPool, quantisable: Path
 ) -> None:
+    checkpoint = quantisable
     quantise(checkpoint, "fp8")
     (error, lines0), (error1, lines1) = pool.run(
         load_for_host, str(checkpoint), frozenset({"gptq"})
@@ -197,21 +217,41 @@ def test_fifo_in_the_checkpoint_is_refused_within_the_timeout(
     assert all(seconds < 10 for _, seconds in results), results
 
 
-def test_index_with_an_empty_weight_map_is_named(pool: RankPool, checkpoint: Path) -> None:
+@pytest.mark.parametrize("route", ROUTES)
+def test_metadata_read_the_storage_never_answers_fails_every_rank_within_the_timeout(
+    pool: RankPool, checkpoint: Path, route: str
+) -> None:
+    overrides = {"reader_node": route, "timeout_s": 2.0}
+    results = pool.run(load_with_stalled_metadata, str(checkpoint), overrides, 6.0)
+    message = same_on_every_rank([m for m, _ in results])
+    assert f"reading the metadata of '{checkpoint}' failed on rank 0: it did not finish " in message
+    assert "within timeout_s=2 s (the storage did not answer)" in message
+    assert all(seconds < 5 for _, seconds in results), results
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_index_with_an_empty_weight_map_is_named(
+    pool: RankPool, checkpoint: Path, route: str
+) -> None:
     index = checkpoint / "model.safetensors.index.json"
     index.write_text(json.dumps({"metadata": {}, "weight_map": {}}))
-    message = same_on_every_rank(pool.run(load_expecting_error, str(checkpoint), TP2, {}))
+    overrides = {"reader_node": route}
+    message = same_on_every_rank(pool.run(load_expecting_error, str(checkpoint), TP2, overrides))
     assert f"'{index}' is an index with an empty 'weight_map'" in message
 
 
-def test_index_inconsistent_with_its_shards_is_named(pool: RankPool, checkpoint: Path) -> None:
+@pytest.mark.parametrize("route", ROUTES)
+def test_index_inconsistent_with_its_shards_is_named(
+    pool: RankPool, checkpoint: Path, route: str
+) -> None:
     index = checkpoint / "model.safetensors.index.json"
     content = json.loads(index.read_text())
     shards = sorted(set(content["weight_map"].values()))
     moved = next(n for n, f in content["weight_map"].items() if f == shards[0])
     content["weight_map"][moved] = shards[1]
     index.write_text(json.dumps(content))
-    message = same_on_every_rank(pool.run(load_expecting_error, str(checkpoint), TP2, {}))
+    overrides = {"reader_node": route}
+    message = same_on_every_rank(pool.run(load_expecting_error, str(checkpoint), TP2, overrides))
     assert f"'{index}' is inconsistent with the shards: it puts tensor '{moved}'" in message
     assert f"in '{shards[1]}', but '{shards[0]}' holds it" in message
 
@@ -224,12 +264,20 @@ def test_index_inconsistent_with_its_shards_is_named(pool: RankPool, checkpoint:
         ("model.safetensors.index.json", b'{"weight_map": [}', "at byte 16 (line 1, column 17)"),
     ],
 )
+@pytest.mark.parametrize("route", ROUTES)
 def test_undecodable_config_and_index_name_the_file_and_the_byte(
-    pool: RankPool, checkpoint: Path, original: Path, file: str, damage: bytes, expected: str
+    pool: RankPool,
+    checkpoint: Path,
+    original: Path,
+    file: str,
+    damage: bytes,
+    expected: str,
+    route: str,
 ) -> None:
     (checkpoint / file).write_bytes(damage)
+    overrides = {"reader_node": route}
     message = same_on_every_rank(
-        pool.run(load_expecting_error, str(checkpoint), TP2, {}, str(original))
+        pool.run(load_expecting_error, str(checkpoint), TP2, overrides, str(original))
     )
     assert f"'{checkpoint / file}'" in message and expected in message
     assert "save_pretrained" in message  # the fix
