@@ -1,0 +1,58 @@
+"""Collective safety: bounded waits, and one rank's failure raised on every rank.
+
+Every megastart collective runs inside :func:`all_or_none`: the block runs on
+every rank, then the ranks agree (over a gloo control group of their own,
+bounded by ``timeout_s``) on whether any of them failed. If one did, every rank
+raises the same :class:`CollectiveError`, naming the rank and its error. A rank
+that died or never arrived makes the others raise after ``timeout_s`` instead of
+hanging.
+
+A call that streams data also keeps a :class:`Board` in torch.distributed's
+store: ranks check in there before any process group is made (so a rank that
+never comes is named), a failing rank announces its error there at once, and
+every wait of the call looks at it (so no rank waits ``timeout_s`` on a peer
+that has already given up). :class:`Sticky` makes a call that failed in a
+process fail at once when it is made again.
+
+The modules: :mod:`.errors`, :mod:`.board`, :mod:`.groups`, :mod:`.agreement`,
+:mod:`.sticky`.
+"""
+
+from megastart.distributed.agreement import Outcome, agree, all_or_none, broadcast_or_raise
+from megastart.distributed.board import PEER_GRACE_S, POLL_S, PROGRESS_LOOK_S, Board, polled
+from megastart.distributed.errors import (
+    CollectiveError,
+    FailedBefore,
+    PeerFailed,
+    Stalled,
+)
+from megastart.distributed.groups import (
+    OwnGroups,
+    destroy_group,
+    discard_control,
+    kept_control,
+    new_group,
+)
+from megastart.distributed.sticky import Sticky
+
+__all__ = [
+    "PEER_GRACE_S",
+    "POLL_S",
+    "PROGRESS_LOOK_S",
+    "Board",
+    "CollectiveError",
+    "FailedBefore",
+    "Outcome",
+    "OwnGroups",
+    "PeerFailed",
+    "Stalled",
+    "Sticky",
+    "agree",
+    "all_or_none",
+    "broadcast_or_raise",
+    "destroy_group",
+    "discard_control",
+    "kept_control",
+    "new_group",
+    "polled",
+]
