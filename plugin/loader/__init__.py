@@ -4,7 +4,7 @@ Modules, one concern each, in the order a load uses them:
 
 - ``settings``: the ``rank0_loader`` settings section;
 - ``checkpoint``: reading ``config.json``, safetensors headers and tensor bytes;
-- ``mappings``, ``mappings_moe``: HF <-> Megatron name tables, one per architecture;
+- ``mappings``: HF <-> Megatron name tables (``archs``: one module per architecture family);
 - ``experts``: expert-parallel numbering (local <-> global expert index);
 - ``transforms``: how HF tensors become a rank's parameter slice (QKV, gate/up, vocab);
 - ``model``: reading this rank's Megatron model (parameters, config, shard) against a checkpoint;

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -24,22 +23,11 @@ from megastart.warmup.groups import (
     RING_P2P,
     WarmGroup,
 )
+from megastart.warmup.step import Step, buffer
 
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
-
-
-@dataclass(frozen=True, slots=True)
-class Step:
-    group: str
-    """Name of the group the communicator belongs to (``"world"`` for WORLD's pairs)."""
-    op: str
-    """``"<operation>:<message bytes>"``, e.g. ``"reduce_scatter:33554432"``."""
-    ranks: tuple[int, ...]
-    """Global ranks taking part (the pair, for point-to-point)."""
-    start: Callable[[], list[dist.Work]]
-    """Allocates the buffers and issues the operation asynchronously."""
 
 
 def plan(
@@ -98,14 +86,6 @@ def perform(steps: Sequence[Step], *, timeout_s: float) -> list[tuple[str, str]]
             ) from e
         done.append((step.group, step.op))
     return done
-
-
-def buffer(nbytes: int, multiple: int, device: torch.device) -> torch.Tensor:
-    """A float32 buffer of about ``nbytes``, its length a multiple of ``multiple``."""
-    import torch
-
-    per = max(1, -(-nbytes // (4 * multiple)))
-    return torch.ones(per * multiple, dtype=torch.float32, device=device)
 
 
 def _collective(

@@ -19,12 +19,13 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
+from megastart.warmup.step import Step, buffer
+
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
 
     from megastart.warmup.groups import WarmGroup
-    from megastart.warmup.ops import Step
 
 
 def pipeline_steps(
@@ -117,8 +118,6 @@ def _unbatched(
     ``carrier`` (name, group): a step on each of the two ranks."""
     import torch.distributed as dist
 
-    from megastart.warmup.ops import Step, buffer
-
     name, group = carrier
     me = dist.get_rank()
     src_rank, dst_rank = warm.ranks[src], warm.ranks[dst]
@@ -146,8 +145,6 @@ def _batched(
     """``batch_isend_irecv`` on the group between ``a`` and its next rank ``b``: ``a``
     sends (and receives back if ``both_ways``), ``b`` receives (and sends back)."""
     import torch.distributed as dist
-
-    from megastart.warmup.ops import Step
 
     me = dist.get_rank()
     rank_a, rank_b = warm.ranks[a], warm.ranks[b]
@@ -180,8 +177,6 @@ def _batch(
     receives: bool,
 ) -> Callable[[], list[dist.Work]]:
     import torch.distributed as dist
-
-    from megastart.warmup.ops import buffer
 
     def start() -> list[dist.Work]:
         ops = []

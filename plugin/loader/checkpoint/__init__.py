@@ -10,19 +10,17 @@ later open of a shard, on any rank, is checked against the version the plan was
 made from. :class:`TensorReader` then reads one tensor's bytes straight into a
 caller's buffer, keeping a bounded number of shard files open.
 
-The modules: :mod:`.meta` (config, index, the metadata record), :mod:`.headers`
+The modules: :mod:`.entries` (the metadata record), :mod:`.meta` (config, index), :mod:`.headers`
 (safetensors headers), :mod:`.pickles` (``.bin`` files), :mod:`.files` (regular
 files, identities, bounded handles), :mod:`.quantised`, :mod:`.reader`.
 """
 
+from megastart.loader.checkpoint.entries import ITEMSIZE, CheckpointMeta, TensorEntry
+from megastart.loader.checkpoint.errors import CheckpointError
 from megastart.loader.checkpoint.files import ShardIdentity, check_unchanged, open_shard
 from megastart.loader.checkpoint.meta import (
     BIN_INDEX,
-    ITEMSIZE,
     SAFETENSORS_INDEX,
-    CheckpointError,
-    CheckpointMeta,
-    TensorEntry,
     causal_lm_for_model_type,
     read_config,
     read_metadata,

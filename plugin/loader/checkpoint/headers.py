@@ -8,9 +8,9 @@ import os
 import struct
 from pathlib import Path
 
+from megastart.loader.checkpoint.entries import TensorEntry, add_entry
 from megastart.loader.checkpoint.errors import CheckpointError
 from megastart.loader.checkpoint.files import ShardIdentity, open_regular
-from megastart.loader.checkpoint.meta import TensorEntry, add_entry
 
 _SAFETENSORS_DTYPES = {
     "F64": "float64",

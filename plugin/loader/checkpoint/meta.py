@@ -1,85 +1,22 @@
-"""The checkpoint's metadata: ``config.json``, the index, and the record every rank plans from."""
+"""The checkpoint's metadata: ``config.json`` and the index, read and checked into a
+:class:`~.entries.CheckpointMeta`."""
 
 from __future__ import annotations
 
 import json
 import os
 import posixpath
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from megastart.loader.checkpoint import headers, pickles
+from megastart.loader.checkpoint.entries import CheckpointMeta, TensorEntry
 from megastart.loader.checkpoint.errors import CheckpointError
-from megastart.loader.checkpoint.files import ShardIdentity, read_regular, regular_file
-from megastart.loader.checkpoint.quantised import Quantisation, find_quantisation
+from megastart.loader.checkpoint.files import read_regular, regular_file
+from megastart.loader.checkpoint.quantised import find_quantisation
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
-
-ITEMSIZE = {
-    "float64": 8,
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "int64": 8,
-    "int32": 4,
-    "int16": 2,
-    "int8": 1,
-    "uint8": 1,
-    "bool": 1,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-}
-"""Bytes per element of each dtype a checkpoint may hold (``torch`` names)."""
-
-
-@dataclass(frozen=True, slots=True)
-class TensorEntry:
-    """Where one tensor's bytes are: file, dtype (a ``torch`` dtype name), shape, byte range."""
-
-    name: str
-    file: str
-    """Path relative to the checkpoint directory, as the index names it (``sub/x.safetensors``)."""
-    dtype: str
-    shape: tuple[int, ...]
-    start: int = -1
-    """Absolute byte offset in ``file`` (``-1`` for ``.bin`` files)."""
-    end: int = -1
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-    def row_range(self, first: int, stop: int) -> TensorEntry:
-        """Rows ``[first, stop)`` of this tensor (dim 0), as an entry of their own bytes."""
-        if (first, stop) == (0, self.shape[0] if self.shape else 1):
-            return self
-        row_bytes = self.numel // self.shape[0] * ITEMSIZE[self.dtype]
-        start = self.start + first * row_bytes if self.start >= 0 else -1
-        end = self.start + stop * row_bytes if self.start >= 0 else -1
-        return replace(self, shape=(stop - first, *self.shape[1:]), start=start, end=end)
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointMeta:
-    """Everything the plan needs from the checkpoint; small, broadcast once to every rank."""
-
-    directory: str
-    config: dict[str, Any]
-    tensors: dict[str, TensorEntry]
-    format: str
-    """``"safetensors"`` or ``"bin"``."""
-    architectures: tuple[str, ...] = ()
-    """``config.json``'s ``architectures``, or where it has none, the class
-    ``transformers``' Auto classes pick for its ``model_type``."""
-    shards: dict[str, ShardIdentity] = field(default_factory=dict)
-    """The version of each shard file the headers were read from (every open is checked
-    against it)."""
-    quantisation: Quantisation | None = None
-    """How the checkpoint is quantised (``None``: plain floating-point weights)."""
 
 
 def read_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
@@ -108,8 +45,6 @@ def read_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
 
 def read_metadata(directory: str | os.PathLike[str], *, allow_pickle: bool) -> CheckpointMeta:
     """The config and the header of every shard, checked; reads no tensor data."""
-    from megastart.loader.checkpoint import headers, pickles
-
     path = Path(directory)
     config = read_config(path)
     architectures = resolve_architectures(config, path / "config.json")
@@ -177,17 +112,6 @@ def causal_lm_for_model_type(model_type: str) -> str | None:
 
         return architecture_for_model_type(model_type)
     return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
-
-
-def add_entry(entries: dict[str, TensorEntry], entry: TensorEntry, path: Path) -> None:
-    """Add ``entry``, refusing a tensor stored twice."""
-    if entry.name in entries:
-        raise CheckpointError(
-            f"tensor {entry.name!r} is stored twice: in {entries[entry.name].file!r} "
-            f"and in {entry.file!r} (directory {str(path)!r}); a checkpoint holds each tensor "
-            "once: remove the stale shard, or fix the index"
-        )
-    entries[entry.name] = entry
 
 
 def _load_json(path: Path, what: str, fix: str) -> Any:

@@ -7,9 +7,9 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from megastart.loader.checkpoint.entries import TensorEntry, add_entry
 from megastart.loader.checkpoint.errors import CheckpointError
 from megastart.loader.checkpoint.files import ShardIdentity, changed, regular_file
-from megastart.loader.checkpoint.meta import TensorEntry, add_entry
 
 if TYPE_CHECKING:
     import torch

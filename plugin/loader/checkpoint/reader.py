@@ -9,9 +9,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from megastart.loader.checkpoint.entries import ITEMSIZE, CheckpointMeta, TensorEntry
 from megastart.loader.checkpoint.errors import CheckpointError
 from megastart.loader.checkpoint.files import OpenShards, check_unchanged
-from megastart.loader.checkpoint.meta import ITEMSIZE, CheckpointMeta, TensorEntry
 from megastart.loader.checkpoint.pickles import load_bin
 
 if TYPE_CHECKING:
