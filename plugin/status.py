@@ -9,13 +9,6 @@ from typing import Any
 
 HELP = "show plugins, engine adapters, how each host activates megastart, and settings"
 
-MEGATRON_CORE_TESTED = "megatron-core>=0.16.1,<0.20"
-"""The megatron-core releases CI runs megastart on: 0.16.1 (the ``tests`` nox session),
-0.17.1, 0.18.2 and 0.19.2 (``megatron``). The loader's parameter names and the
-warmup's group table come from megatron-core's layer specs and ``parallel_state``
-getters, which change between releases; keep this, the noxfile and the README's
-table in step."""
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -79,7 +72,7 @@ def activation(engines: list[dict[str, Any]]) -> dict[str, Any]:
     import os
     from importlib import metadata
 
-    from megastart.activation import (
+    from megastart.routes import (
         BOOTSTRAP_GROUP,
         BOOTSTRAP_VARIABLE,
         HOST_PLUGIN_GROUPS,
@@ -130,7 +123,7 @@ def activation(engines: list[dict[str, Any]]) -> dict[str, Any]:
 def megatron_core_support() -> dict[str, Any]:
     """The installed megatron-core against :data:`MEGATRON_CORE_TESTED`, with a warning
     when it is installed and outside that range (reads metadata only)."""
-    from megastart.engines.base import check_requirement
+    from megastart.requirements import MEGATRON_CORE_TESTED, check_requirement
 
     compat = check_requirement(MEGATRON_CORE_TESTED)
     outside = compat.installed_version is not None and not compat.compatible
@@ -189,7 +182,7 @@ def render(report: dict[str, Any]) -> str:
 
 
 def render_activation(report: dict[str, Any]) -> list[str]:
-    from megastart.activation import BOOTSTRAP_GROUP
+    from megastart.routes import BOOTSTRAP_GROUP
 
     if report["value"] is None:
         shell = "unset"

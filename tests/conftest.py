@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from megastart.launch import RankPool
+from megastart.harness.launch import RankPool
 
 
 @pytest.fixture(scope="module")

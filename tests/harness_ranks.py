@@ -17,8 +17,8 @@ def reference_copy_logits(
     """Build this rank's chunks, copy the HF weights in by the reference copier, forward."""
     from reference_copy import copy_hf_weights
 
-    from megastart.demo.cpu import destroy_megatron, initialize_megatron
-    from megastart.demo.model import build_gpt_chunks, forward_logits
+    from megastart.harness.cpu import destroy_megatron, initialize_megatron
+    from megastart.harness.model import build_gpt_chunks, forward_logits
 
     initialize_megatron(**layout)
     try:
@@ -33,7 +33,7 @@ def shims_during_and_after() -> tuple[str, bool, bool]:
     """What Megatron sees as the current device inside a layout, and whether destroy undid all."""
     from megatron.core import parallel_state
 
-    from megastart.demo.cpu import destroy_megatron, initialize_megatron
+    from megastart.harness.cpu import destroy_megatron, initialize_megatron
 
     original_cuda = torch.Tensor.cuda
     initialize_megatron(tp=2)

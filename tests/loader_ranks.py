@@ -32,7 +32,7 @@ def reference_logits(checkpoint: str | os.PathLike[str]) -> torch.Tensor:
 @contextmanager
 def megatron(layout: dict[str, int]):
     """Megatron set up for ``layout``; afterwards torn down, and a failed load forgotten."""
-    from megastart.demo.cpu import destroy_megatron, initialize_megatron
+    from megastart.harness.cpu import destroy_megatron, initialize_megatron
     from megastart.loader.api import reset_state
 
     initialize_megatron(**layout)
@@ -51,7 +51,7 @@ def build(checkpoint: str, **config_overrides: Any) -> list[Any]:
 
     from transformers import AutoConfig
 
-    from megastart.demo import model
+    from megastart.harness import model
 
     original = model.transformer_config
     model.transformer_config = lambda *a, **k: dataclasses.replace(
@@ -74,7 +74,7 @@ def load_and_forward(
 ) -> tuple[Any, torch.Tensor]:
     """The load report and the full logits on :data:`TOKENS`, on every rank."""
     from megastart import load_hf_checkpoint
-    from megastart.demo.model import forward_logits
+    from megastart.harness.model import forward_logits
 
     with megatron(layout):
         chunks = build(checkpoint, **config_overrides)
@@ -486,7 +486,7 @@ def build_critic(checkpoint: str) -> list[Any]:
     ``tie_word_embeddings=False`` for a value model), the LM head replaced by :class:`ValueHead`."""
     from transformers import AutoConfig
 
-    from megastart.demo import model
+    from megastart.harness import model
 
     hf_config = AutoConfig.from_pretrained(checkpoint)
     hf_config.tie_word_embeddings = False
@@ -503,7 +503,7 @@ def load_critic_and_forward(
     """The load report, the values on :data:`TOKENS` (every rank), and this rank's value head
     before and after the load (``None`` off the last stage)."""
     from megastart import load_hf_checkpoint
-    from megastart.demo.model import forward_logits
+    from megastart.harness.model import forward_logits
 
     with megatron(layout):
         chunks = build_critic(checkpoint)

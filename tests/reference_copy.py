@@ -2,7 +2,7 @@
 
 Deliberately plain and independent of ``megastart.loader``: it walks this rank's
 Megatron modules and slices the full HF tensors the textbook way. Matching
-logits after this copy is what proves ``megastart.demo.model.forward_logits``
+logits after this copy is what proves ``megastart.harness.model.forward_logits``
 right, and it gives the loader's tests a second opinion.
 """
 

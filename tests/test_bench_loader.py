@@ -74,7 +74,7 @@ def test_every_strategy_loads_megastarts_weights_on_every_rank(
 def test_load_changed_the_randomly_initialised_weights(bench: tuple[dict, str]) -> None:
     """Equal checksums would prove nothing if no strategy had written anything."""
     from megastart.bench import strategies
-    from megastart.launch import RankPool
+    from megastart.harness.launch import RankPool
 
     results, _ = bench
     with RankPool(4) as pool:

@@ -16,7 +16,7 @@ import pytest
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Qwen2 of 4 layers, 8 heads in 4 KV groups, FFN 128, fp32 (sharded, with an index)."""
-    from megastart.demo.checkpoints import make_checkpoint
+    from megastart.harness.checkpoints import make_checkpoint
 
     return make_checkpoint("qwen2", tmp_path_factory.mktemp("tiny-qwen2"))
 

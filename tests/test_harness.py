@@ -1,4 +1,4 @@
-"""The CPU harness is exact: Megatron chunks built by megastart.demo.model, filled by a plain
+"""The CPU harness is exact: Megatron chunks built by megastart.harness.model, filled by a plain
 reference copier, give the transformers model's logits on every rank, for every layout.
 
 This is what the loader's logit tests stand on: if forward_logits or build_gpt_chunks
@@ -16,7 +16,7 @@ import pytest
 import torch
 from harness_ranks import reference_copy_logits, shims_during_and_after
 
-from megastart.demo.checkpoints import (
+from megastart.harness.checkpoints import (
     ARCHITECTURES,
     make_checkpoint,
     parameter_count,

@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from megastart.launch import RankFailure, RankPool, run_ranks
+from megastart.harness.launch import RankFailure, RankPool, run_ranks
 
 
 def rank_and_sum(offset: int, *, scale: int = 1) -> tuple[int, int, float]:

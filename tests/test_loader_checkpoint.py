@@ -131,7 +131,7 @@ def test_model_type_table_agrees_with_transformers_auto_classes() -> None:
     its ``AutoModelForCausalLM`` table does: both must agree for every mapped architecture."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from megastart.demo.checkpoints import ARCHITECTURES
+    from megastart.harness.checkpoints import ARCHITECTURES
     from megastart.loader.mappings import architecture_for_model_type
 
     for model_type, architecture in ARCHITECTURES.items():

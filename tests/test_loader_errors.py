@@ -28,7 +28,7 @@ from loader_ranks import (
 )
 from safetensors.torch import load_file, save_file
 
-from megastart.launch import RankFailure, RankPool
+from megastart.harness.launch import RankFailure, RankPool
 from megastart.records import LoadReport
 
 TP2 = {"tp": 2}
@@ -43,7 +43,7 @@ def pool(rank_pools: dict[int, RankPool]) -> RankPool:
 def original(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.Tensor]:
     from loader_ranks import reference_logits
 
-    from megastart.demo.checkpoints import make_checkpoint
+    from megastart.harness.checkpoints import make_checkpoint
 
     directory = tmp_path_factory.mktemp("llama")
     make_checkpoint("llama", directory, tie_word_embeddings=False)
@@ -95,7 +95,7 @@ def test_missing_config(pool: RankPool, checkpoint: Path, original: Any) -> None
 
 
 def test_config_of_a_different_model(pool: RankPool, checkpoint: Path, tmp_path: Path) -> None:
-    from megastart.demo.checkpoints import make_checkpoint
+    from megastart.harness.checkpoints import make_checkpoint
 
     other = tmp_path / "other"
     make_checkpoint("llama", other, tie_word_embeddings=False, num_key_value_heads=8)
@@ -269,7 +269,7 @@ def test_index_naming_shards_in_a_subdirectory_reads_them_not_same_named_files_b
 ) -> None:
     """transformers joins index names to the directory; a same-named file at the top
     level (another checkpoint's weights) must not be read instead."""
-    from megastart.demo.checkpoints import make_checkpoint
+    from megastart.harness.checkpoints import make_checkpoint
 
     move_shards_into(checkpoint, "sub")
     other = make_checkpoint("llama", tmp_path / "other", tie_word_embeddings=False, seed=1)

@@ -24,7 +24,7 @@ from hostile_ranks import (
 from loader_ranks import load_expecting_error
 from safetensors.torch import load_file, save_file
 
-from megastart.launch import RankPool
+from megastart.harness.launch import RankPool
 from megastart.loader.checkpoint.files import MAX_OPEN_SHARDS
 
 ROUTES = ("page_cache", "shared_memory")
@@ -39,7 +39,7 @@ def pool(rank_pools: dict[int, RankPool]) -> RankPool:
 
 @pytest.fixture(scope="module")
 def original(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from megastart.demo.checkpoints import make_checkpoint
+    from megastart.harness.checkpoints import make_checkpoint
 
     directory = tmp_path_factory.mktemp("llama")
     make_checkpoint("llama", directory, tie_word_embeddings=False)
@@ -49,7 +49,7 @@ def original(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A bf16 checkpoint, as DeepSeek-V3's FP8 weights were made from."""
-    from megastart.demo.checkpoints import make_checkpoint
+    from megastart.harness.checkpoints import make_checkpoint
 
     directory = tmp_path_factory.mktemp("llama_bf16")
     make_checkpoint("llama", directory, tie_word_embeddings=False, dtype="bfloat16")
@@ -286,7 +286,7 @@ def test_undecodable_config_and_index_name_the_file_and_the_byte(
 @pytest.fixture(scope="module")
 def many_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A checkpoint of one tensor per shard, more shards than the file-handle limit below."""
-    from megastart.demo.checkpoints import make_checkpoint
+    from megastart.harness.checkpoints import make_checkpoint
 
     directory = tmp_path_factory.mktemp("many_shards")
     make_checkpoint("llama", directory, num_hidden_layers=12, max_shard_size=1)

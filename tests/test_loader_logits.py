@@ -17,7 +17,7 @@ from loader_ranks import (
     reference_logits,
 )
 
-from megastart.launch import RankPool
+from megastart.harness.launch import RankPool
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -46,7 +46,7 @@ CASES = [
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """``(arch, tied, kv_heads) -> (directory, transformers logits)``, each made once."""
-    from megastart.demo.checkpoints import make_checkpoint
+    from megastart.harness.checkpoints import make_checkpoint
 
     cache: dict[tuple[str, bool, int], tuple[str, torch.Tensor]] = {}
 

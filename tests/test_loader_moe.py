@@ -52,7 +52,7 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """``name -> (directory, transformers logits)`` of :data:`MODELS` (and variants), each made once."""
-    from megastart.demo.checkpoints import make_checkpoint
+    from megastart.harness.checkpoints import make_checkpoint
 
     cache: dict[str, tuple[str, torch.Tensor]] = {}
 
@@ -95,7 +95,7 @@ def test_logits_match_transformers(
 
 
 def test_world_of_eight_tp2_pp2_ep2(checkpoints: Any) -> None:
-    from megastart.launch import RankPool
+    from megastart.harness.launch import RankPool
 
     directory, expected = checkpoints("qwen2_moe")
     with RankPool(8, timeout_s=300) as pool:

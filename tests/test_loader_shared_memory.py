@@ -22,7 +22,7 @@ from loader_ranks import (
 )
 
 from megastart.distributed import PEER_GRACE_S
-from megastart.launch import RankFailure, RankPool
+from megastart.harness.launch import RankFailure, RankPool
 from megastart.loader.shm import PREFIX, SHM_DIR
 
 TP2_PP2 = {"tp": 2, "pp": 2}
@@ -32,7 +32,7 @@ ROUTES = ("page_cache", "shared_memory")
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from megastart.demo.checkpoints import make_checkpoint
+    from megastart.harness.checkpoints import make_checkpoint
 
     directory = tmp_path_factory.mktemp("llama")
     make_checkpoint("llama", directory, tie_word_embeddings=False)

@@ -12,7 +12,7 @@ import torch
 from loader_ranks import load_critic_and_forward, reference_hidden_states
 from safetensors import safe_open
 
-from megastart.demo.checkpoints import make_checkpoint
+from megastart.harness.checkpoints import make_checkpoint
 
 TP2_PP2 = {"tp": 2, "pp": 2}
 

@@ -8,7 +8,7 @@ from importlib import metadata
 import pytest
 from pyrun import run_python
 
-from megastart.status import MEGATRON_CORE_TESTED
+from megastart.requirements import MEGATRON_CORE_TESTED
 
 STATUS = "import sys; from megastart.cli import main; sys.exit(main(sys.argv[1:] or {argv!r}))"
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from megastart.launch import RankPool
+from megastart.harness.launch import RankPool
 
 SMALL, LARGE = 4096, 65536
 SETTINGS = {"timeout_s": 30.0, "message_bytes": (SMALL, LARGE)}
@@ -240,7 +240,7 @@ def warm_layout(
     import torch.distributed as dist
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    from megastart.demo.cpu import destroy_megatron, initialize_megatron
+    from megastart.harness.cpu import destroy_megatron, initialize_megatron
     from megastart.warmup.api import reset_state, warmup_communicators
     from megastart.warmup.settings import CommWarmupSettings
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from megastart.launch import RankPool
+from megastart.harness.launch import RankPool
 
 SETTINGS = {"timeout_s": 30.0, "message_bytes": (4096, 65536)}
 
@@ -24,7 +24,7 @@ def run_hooks(when: str) -> list[str]:
     from megatron.core.transformer import TransformerConfig
 
     from megastart import EngineContext, manager
-    from megastart.demo.cpu import destroy_megatron, initialize_megatron
+    from megastart.harness.cpu import destroy_megatron, initialize_megatron
     from megastart.settings import CoreSettings, Settings
     from megastart.warmup.api import reset_state
     from megastart.warmup.settings import CommWarmupSettings

@@ -8,7 +8,7 @@ import multiprocessing
 import time
 from typing import Any
 
-from megastart.launch import RankPool
+from megastart.harness.launch import RankPool
 
 TIMEOUT_S = 5.0
 SETTINGS = {"timeout_s": TIMEOUT_S, "message_bytes": (4096, 65536)}
@@ -49,7 +49,7 @@ def warm_beside_weight_update_group(port: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from megastart.demo.cpu import destroy_megatron, initialize_megatron
+    from megastart.harness.cpu import destroy_megatron, initialize_megatron
     from megastart.warmup.api import reset_state, warmup_communicators
     from megastart.warmup.settings import CommWarmupSettings
 
@@ -95,7 +95,7 @@ def warm_unless_rank(absent: int) -> dict[str, Any]:
     """Every rank but ``absent`` warms, then retries as a host's RPC layer would."""
     import torch.distributed as dist
 
-    from megastart.demo.cpu import initialize_megatron
+    from megastart.harness.cpu import initialize_megatron
     from megastart.warmup.api import warmup_communicators
     from megastart.warmup.settings import CommWarmupSettings
 
@@ -112,7 +112,7 @@ def warm_with_refused_config_on(bad_rank: int) -> dict[str, Any]:
     import torch.distributed as dist
     from megatron.core.transformer import TransformerConfig
 
-    from megastart.demo.cpu import initialize_megatron
+    from megastart.harness.cpu import initialize_megatron
     from megastart.warmup.api import warmup_communicators
     from megastart.warmup.settings import CommWarmupSettings
 
@@ -133,7 +133,7 @@ def warm_with_own_message_sizes() -> dict[str, Any]:
     """Rank 1 was given other message sizes (an environment variable set on one node)."""
     import torch.distributed as dist
 
-    from megastart.demo.cpu import initialize_megatron
+    from megastart.harness.cpu import initialize_megatron
     from megastart.warmup.api import warmup_communicators
     from megastart.warmup.settings import CommWarmupSettings
 

@@ -375,7 +375,7 @@ def _measure_strategy(
     gloo broadcasts of ``probe_bytes`` in this world, in seconds.
     """
     from megastart.bench import limits, strategies
-    from megastart.launch import RankPool
+    from megastart.harness.launch import RankPool
 
     measured = {}
     nodes = partial(_local_rank, ranks_per_node)
@@ -593,7 +593,7 @@ def _chosen_strategies(text: str) -> tuple[str, ...]:
 
 
 def _make_checkpoint(arch: str, size_gb: float, directory: Path) -> Path:
-    from megastart.demo.checkpoints import make_checkpoint, scaled_config
+    from megastart.harness.checkpoints import make_checkpoint, scaled_config
 
     start = time.perf_counter()
     path = directory / f"{arch}-{size_gb:g}gb"

@@ -77,8 +77,8 @@ def build_model(checkpoint: str, layout: dict[str, Any], device: str = "cpu") ->
     import torch.distributed as dist
     from transformers import AutoConfig
 
-    from megastart.demo.cpu import initialize_megatron, remove_shims
-    from megastart.demo.model import build_gpt_chunks
+    from megastart.harness.cpu import initialize_megatron, remove_shims
+    from megastart.harness.model import build_gpt_chunks
     from megastart.loader.checkpoint import read_metadata
 
     meta = read_metadata(checkpoint, allow_pickle=False)
@@ -151,7 +151,7 @@ def checksum() -> str:
 
 
 def teardown() -> None:
-    from megastart.demo.cpu import destroy_megatron
+    from megastart.harness.cpu import destroy_megatron
 
     _STATE.clear()
     destroy_megatron()

@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"megastart demo: {e}", file=sys.stderr)
         return 2
     from megastart.demo.scenario import run_demo
-    from megastart.launch import RankFailure
+    from megastart.harness.launch import RankFailure
 
     try:
         results = run_demo(str(checkpoint), layout, timeout_s=args.timeout_s)
@@ -192,7 +192,7 @@ def _checkpoint(args: argparse.Namespace, layout: Any) -> Path:
         check_architecture(config, str(path), loader_enabled=loader_enabled)
         check_layout(layout, config, str(path))
         return path
-    from megastart.demo.checkpoints import make_checkpoint, scaled_config
+    from megastart.harness.checkpoints import make_checkpoint, scaled_config
 
     hf_config = scaled_config(ARCH, int(args.size_mb * 1e6), dtype=DTYPE)
     config = hf_config.to_dict()

@@ -1,7 +1,7 @@
 """The demo's host: a small Megatron-core training job on CPU that calls megastart's hooks
 where verl or AReaL would.
 
-Rank functions for a :class:`megastart.launch.RankPool`, one per step, so the
+Rank functions for a :class:`megastart.harness.launch.RankPool`, one per step, so the
 parent can time each step and mark it on the memory plot. A rank keeps its
 model between steps in :data:`_STATE`. The host builds an
 :class:`~megastart.records.EngineContext` and calls the hooks through
@@ -33,7 +33,7 @@ def start(checkpoint: str, tp: int, pp: int) -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     from transformers import AutoConfig
 
-    from megastart.demo.cpu import initialize_megatron
+    from megastart.harness.cpu import initialize_megatron
     from megastart.manager import get_settings
 
     initialize_megatron(tp=tp, pp=pp)
@@ -45,7 +45,7 @@ def build_model() -> None:
     """Build this rank's chunks with random weights, in fp32 (the dtype CPU training needs)."""
     import torch
 
-    from megastart.demo.model import build_gpt_chunks
+    from megastart.harness.model import build_gpt_chunks
 
     _STATE.pop("chunks", None)
     _STATE["chunks"] = build_gpt_chunks(_STATE["hf_config"], dtype=torch.float32)
@@ -72,7 +72,7 @@ def logits(input_ids: torch.Tensor) -> torch.Tensor | None:
     """The model's fp32 logits for ``input_ids`` (on rank 0; ``None`` elsewhere)."""
     import torch.distributed as dist
 
-    from megastart.demo.model import forward_logits
+    from megastart.harness.model import forward_logits
 
     out = forward_logits(_STATE["chunks"], input_ids)
     return out if dist.get_rank() == 0 else None
@@ -113,7 +113,7 @@ def train() -> dict[str, Any]:
 def finish() -> None:
     """Drop the model and Megatron's parallel state; return the freed heap to the OS."""
     from megastart.bench.memory import release_free_memory
-    from megastart.demo.cpu import destroy_megatron
+    from megastart.harness.cpu import destroy_megatron
 
     _STATE.clear()
     destroy_megatron()

@@ -8,7 +8,7 @@ the demo's optimizer starts fresh after the restart.
 
 CPU stand-ins (demo only): Megatron's ``torch_dist`` writer forks writer
 processes and collects their results through a ``multiprocessing.Manager``
-queue; inside a daemonic :class:`megastart.launch.RankPool` worker neither may
+queue; inside a daemonic :class:`megastart.harness.launch.RankPool` worker neither may
 start. :func:`_writer_processes_allowed` lets the (short-lived, joined) writer
 forks start and hands the writer an in-process queue instead of a Manager,
 which would leave a server process behind.

@@ -42,7 +42,7 @@ def run_demo(
     from megastart.bench import strategies
     from megastart.bench.memory import PssSampler
     from megastart.demo import host
-    from megastart.launch import RankPool
+    from megastart.harness.launch import RankPool
 
     input_ids, reference = _reference_logits(checkpoint)
     with tempfile.TemporaryDirectory(prefix="megastart-demo-recover-") as recover_dir:

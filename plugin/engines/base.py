@@ -23,41 +23,14 @@ import logging
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, ClassVar
 
 from megastart.manager import get_settings
 from megastart.records import EngineContext
+from megastart.requirements import Compatibility, check_requirement
 
 log = logging.getLogger("megastart")
-
-
-@dataclass(frozen=True, slots=True)
-class Compatibility:
-    installed_version: str | None
-    compatible: bool
-    reason: str
-
-
-def check_requirement(requirement: str) -> Compatibility:
-    """Whether the installed distribution meets ``requirement`` (reads metadata only)."""
-    from importlib import metadata
-
-    from packaging.requirements import Requirement
-    from packaging.version import InvalidVersion, Version
-
-    req = Requirement(requirement)
-    try:
-        installed = metadata.version(req.name)
-    except metadata.PackageNotFoundError:
-        return Compatibility(None, False, f"{req.name} is not installed")
-    try:
-        ok = req.specifier.contains(Version(installed), prereleases=True)
-    except InvalidVersion:
-        ok = False
-    reason = "" if ok else f"requested {requirement} but found {req.name} {installed}"
-    return Compatibility(installed, ok, reason)
 
 
 class EngineAdapter(ABC):

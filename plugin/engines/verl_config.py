@@ -31,7 +31,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from megastart.activation import (
+from megastart.routes import (
     BOOTSTRAP_GROUP,
     BOOTSTRAP_VARIABLE,
     loads_megastart,

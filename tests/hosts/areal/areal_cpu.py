@@ -45,7 +45,7 @@ def activated_pool(env: dict[str, str]) -> Any:
     from start-up as in AReaL's workers, and ``env`` in their environment."""
     from pyrun import started_with
 
-    from megastart.launch import RankPool
+    from megastart.harness.launch import RankPool
 
     with started_with(ACTIVATION):
         return RankPool(2, timeout_s=300, env={"PYTHONPATH": os.pathsep.join(sys.path), **env})

@@ -38,8 +38,8 @@ def engine_on_cpu(
     from areal.engine.megatron_utils.checkpointer import MegatronCheckpointManager
     from transformers import AutoConfig
 
-    from megastart.demo.cpu import initialize_megatron
-    from megastart.demo.model import build_gpt_chunks
+    from megastart.harness.cpu import initialize_megatron
+    from megastart.harness.model import build_gpt_chunks
 
     module = import_megatron_engine()
     world = int(os.environ["WORLD_SIZE"])

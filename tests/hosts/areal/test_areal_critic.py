@@ -15,7 +15,7 @@ ENV = {"MEGASTART_BLOCKLIST": "comm_warmup"}
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
-    from megastart.demo.checkpoints import make_checkpoint
+    from megastart.harness.checkpoints import make_checkpoint
 
     return str(make_checkpoint("llama", tmp_path_factory.mktemp("hf")))
 
@@ -26,8 +26,8 @@ def _critic_values(checkpoint: str) -> dict:
     from areal_ranks import VALUE_HEADS_BEFORE_LOAD, engine_on_cpu
     from loader_ranks import TOKENS
 
-    from megastart.demo.model import forward_logits
     from megastart.engines.areal import unwrap_chunk
+    from megastart.harness.model import forward_logits
 
     engine = engine_on_cpu(checkpoint, tp=2, critic=True)
     chunks = [unwrap_chunk(chunk) for chunk in engine.model]

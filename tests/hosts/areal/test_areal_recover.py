@@ -14,7 +14,7 @@ PROBE_ONLY = {
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
-    from megastart.demo.checkpoints import make_checkpoint
+    from megastart.harness.checkpoints import make_checkpoint
 
     return str(make_checkpoint("llama", tmp_path_factory.mktemp("hf")))
 

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 from areal_cpu import activated_pool
 
-from megastart.launch import RankPool
+from megastart.harness.launch import RankPool
 
 SKIP = {"MEGASTART_AREAL_SKIP_HF_LOAD_ON_RECOVER": "1"}
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
-    from megastart.demo.checkpoints import make_checkpoint
+    from megastart.harness.checkpoints import make_checkpoint
 
     out = tmp_path_factory.mktemp("hf")
     sizes = dict(hidden_size=256, intermediate_size=1024, vocab_size=8000, num_hidden_layers=4)

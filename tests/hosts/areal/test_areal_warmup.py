@@ -10,12 +10,12 @@ import pytest
 from areal_cpu import ACTIVATION
 from pyrun import started_with
 
-from megastart.launch import RankPool
+from megastart.harness.launch import RankPool
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
-    from megastart.demo.checkpoints import make_checkpoint
+    from megastart.harness.checkpoints import make_checkpoint
 
     return str(make_checkpoint("llama", tmp_path_factory.mktemp("hf")))
 

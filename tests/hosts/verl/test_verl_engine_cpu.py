@@ -19,7 +19,7 @@ from packaging.version import Version
 from pyrun import started_with
 from verl_configs import ACTIVATION
 
-from megastart.launch import RankPool
+from megastart.harness.launch import RankPool
 
 PROBE_ONLY = {"MEGASTART_BLOCKLIST": "rank0_loader,comm_warmup"}
 

@@ -13,7 +13,7 @@ import verl_legacy_cpu
 from pyrun import started_with
 from verl_configs import ACTIVATION
 
-from megastart.launch import RankPool
+from megastart.harness.launch import RankPool
 
 pytest.importorskip("verl.workers.megatron_workers", reason="needs verl 0.7 (legacy workers)")
 

@@ -2,8 +2,8 @@
 model from its provider and loads it with ``load_hf_weights``) on CPU over gloo, as
 verl's actor and reference workers build it.
 
-Runs inside a rank of :class:`megastart.launch.RankPool`, after
-:func:`megastart.demo.cpu.initialize_megatron` (the demo's CPU shims for
+Runs inside a rank of :class:`megastart.harness.launch.RankPool`, after
+:func:`megastart.harness.cpu.initialize_megatron` (the demo's CPU shims for
 Megatron-core). Test-only shims on top, each because this machine has Python
 3.11 and no GPU:
 
@@ -109,7 +109,7 @@ def loaded_weights(checkpoint: str, *, role: str, **env: str) -> dict[str, Any]:
     (the model wrapped in Megatron's DDP), through the two calls ``initialize``
     makes before it builds the optimizer, which Megatron cannot do on CPU.
     """
-    from megastart.demo.cpu import initialize_megatron
+    from megastart.harness.cpu import initialize_megatron
 
     import_megatron_bridge()
     configure_megastart(**env)

@@ -1,7 +1,7 @@
 """verl's real ``MegatronEngine`` on CPU over gloo, built the way verl's workers build it.
 
-Runs inside a rank of :class:`megastart.launch.RankPool`, after
-:func:`megastart.demo.cpu.initialize_megatron` (verl's engine then finds Megatron's
+Runs inside a rank of :class:`megastart.harness.launch.RankPool`, after
+:func:`megastart.harness.cpu.initialize_megatron` (verl's engine then finds Megatron's
 parallel state initialised and uses it). Two test-only shims on top of the
 demo's CPU shims, both because Transformer Engine has no CPU build:
 
@@ -167,7 +167,7 @@ def initialized_engine(checkpoint: str, *, value_model: bool = False, **env: str
     """A forward-only engine through verl's own ``initialize`` (the HF load included)."""
     import megastart_verl_probe
 
-    from megastart.demo.cpu import initialize_megatron
+    from megastart.harness.cpu import initialize_megatron
 
     configure_megastart(**env)
     megastart_verl_probe.CALLS.clear()
@@ -189,8 +189,8 @@ def load_on_rank(checkpoint: str, *, value_model: bool = False, **env: str) -> d
     import megastart_verl_probe
     from megatron.core import parallel_state
 
-    from megastart.demo.cpu import destroy_megatron
     from megastart.engines import adapters
+    from megastart.harness.cpu import destroy_megatron
 
     try:
         engine = initialized_engine(checkpoint, value_model=value_model, **env)
@@ -239,7 +239,7 @@ def first_steps_on_rank(checkpoint: str, **env: str) -> dict[str, Any]:
 
     import megastart_verl_probe
 
-    from megastart.demo.cpu import destroy_megatron
+    from megastart.harness.cpu import destroy_megatron
 
     stops = []
     try:
@@ -285,7 +285,7 @@ def loaders_on_rank(
     summary lines of the hook calls."""
     import logging
 
-    from megastart.demo.cpu import destroy_megatron
+    from megastart.harness.cpu import destroy_megatron
 
     lines: list[str] = []
     handler = logging.Handler()
@@ -412,7 +412,7 @@ def recover_on_rank(checkpoint: str, recover_dir: str, **env: str) -> dict[str, 
     import megastart_verl_probe
     from verl.utils.megatron_utils import unwrap_model
 
-    from megastart.demo.cpu import destroy_megatron
+    from megastart.harness.cpu import destroy_megatron
 
     try:
         engine = initialized_engine(checkpoint, **env)

@@ -1,8 +1,8 @@
 """verl 0.7's real legacy Megatron workers on CPU over gloo, built from verl's own
 ``ppo_megatron_trainer`` config the way its trainer builds them.
 
-Runs inside a rank of :class:`megastart.launch.RankPool`, after
-:func:`megastart.demo.cpu.initialize_megatron` (the worker then finds
+Runs inside a rank of :class:`megastart.harness.launch.RankPool`, after
+:func:`megastart.harness.cpu.initialize_megatron` (the worker then finds
 torch.distributed and Megatron's parallel state initialised and uses them).
 Test-only shims on top of the demo's CPU shims and those of :mod:`verl_cpu`:
 
@@ -122,7 +122,7 @@ def prepared_config(checkpoint: str, *, use_mbridge: bool, **env: str) -> Any:
     cleared, Megatron initialised, the shims on), and the workers' config."""
     import megastart_verl_probe
 
-    from megastart.demo.cpu import initialize_megatron
+    from megastart.harness.cpu import initialize_megatron
 
     verl_cpu.configure_megastart(**env)
     megastart_verl_probe.CALLS.clear()
@@ -157,8 +157,8 @@ def load_on_rank(checkpoint: str, *, use_mbridge: bool, **env: str) -> dict[str,
     import megastart_verl_probe
     from megatron.core import parallel_state
 
-    from megastart.demo.cpu import destroy_megatron
     from megastart.engines import adapters
+    from megastart.harness.cpu import destroy_megatron
 
     try:
         ref = worker(checkpoint, "ref", use_mbridge=use_mbridge, **env)
@@ -225,7 +225,7 @@ def critic_on_rank(checkpoint: str, *, use_mbridge: bool, **env: str) -> dict[st
     import megastart_verl_probe
     from megatron.core import parallel_state
 
-    from megastart.demo.cpu import destroy_megatron
+    from megastart.harness.cpu import destroy_megatron
 
     try:
         model, stop = critic_model(checkpoint, use_mbridge=use_mbridge, **env)
@@ -278,7 +278,7 @@ def first_steps_on_rank(checkpoint: str, **env: str) -> dict[str, Any]:
     where verl's step stopped on CPU."""
     import megastart_verl_probe
 
-    from megastart.demo.cpu import destroy_megatron
+    from megastart.harness.cpu import destroy_megatron
 
     stops = []
     try:
@@ -297,7 +297,7 @@ def actor_on_rank(checkpoint: str, **env: str) -> dict[str, Any]:
     """An actor worker's ``init_model``: the hooks seen before verl stopped on CPU."""
     import megastart_verl_probe
 
-    from megastart.demo.cpu import destroy_megatron
+    from megastart.harness.cpu import destroy_megatron
 
     try:
         try:

@@ -1,6 +1,6 @@
 """Megatron-core on CPU over gloo: parallel state plus the shims it needs without a GPU.
 
-Use inside a rank of a :class:`megastart.launch.RankPool` (``torch.distributed``
+Use inside a rank of a :class:`megastart.harness.launch.RankPool` (``torch.distributed``
 already initialised over gloo)::
 
     def rank_fn():
@@ -70,7 +70,7 @@ def initialize_megatron(
     if not dist.is_initialized():
         raise RuntimeError(
             "initialize_megatron: torch.distributed is not initialised; "
-            "call it inside a rank of megastart.launch.RankPool"
+            "call it inside a rank of megastart.harness.launch.RankPool"
         )
     if parallel_state.model_parallel_is_initialized():
         raise RuntimeError(

@@ -6,7 +6,7 @@ Megatron ``TransformerConfig`` and builds the chunks this rank owns, with
 random weights. :func:`forward_logits` runs them as one pipeline and returns
 the full logits on every rank, so a test can compare them with the
 ``transformers`` model's. Call both inside a rank set up by
-:func:`megastart.demo.cpu.initialize_megatron`.
+:func:`megastart.harness.cpu.initialize_megatron`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def build_gpt_chunks(
     """Build this rank's GPTModel chunks (one per virtual pipeline stage) for ``hf_config``.
 
     The sizes come from Megatron's parallel state, so call
-    :func:`megastart.demo.cpu.initialize_megatron` first. Weights are random
+    :func:`megastart.harness.cpu.initialize_megatron` first. Weights are random
     (``use_cpu_initialization=True``, seeded there); the embedding and output
     layer are padded to :func:`padded_vocab_size` rows.
 
