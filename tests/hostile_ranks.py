@@ -21,7 +21,7 @@ def load_while_replacing_the_checkpoint(checkpoint: str, overrides: dict[str, An
 
     from megastart.loader import stream
 
-    original = stream.Stream._apply
+    original = stream.Stream.apply
 
     def apply_then_replace(self: Any, index: int, payload: Any) -> None:
         original(self, index, payload)
@@ -31,11 +31,11 @@ def load_while_replacing_the_checkpoint(checkpoint: str, overrides: dict[str, An
                 os.replace(f"{shard}.new", shard)
 
     if dist.get_rank() == 0:
-        stream.Stream._apply = apply_then_replace  # type: ignore[method-assign]
+        stream.Stream.apply = apply_then_replace  # type: ignore[method-assign]
     try:
         return load_expecting_error(checkpoint, {"tp": 2}, overrides)
     finally:
-        stream.Stream._apply = original  # type: ignore[method-assign]
+        stream.Stream.apply = original  # type: ignore[method-assign]
 
 
 def timed_error(checkpoint: str, overrides: dict[str, Any], build_from: str) -> tuple[str, float]:

@@ -203,7 +203,7 @@ def load_while_a_rank_dies(
     from megastart.loader import stream
 
     if dist.get_rank() == dying_rank:
-        original = stream.Stream._apply
+        original = stream.Stream.apply
         applied = [0]
 
         def apply_then_die(self: Any, index: int, payload: Any) -> None:
@@ -213,7 +213,7 @@ def load_while_a_rank_dies(
                     os._exit(7)
             original(self, index, payload)
 
-        stream.Stream._apply = apply_then_die  # type: ignore[method-assign]
+        stream.Stream.apply = apply_then_die  # type: ignore[method-assign]
     with simulated_nodes(ranks_per_node or dist.get_world_size()), megatron(layout):
         chunks = build(checkpoint)
         load_hf_checkpoint(
@@ -382,7 +382,7 @@ def load_with_failing_receiver(
     from megastart import load_hf_checkpoint
     from megastart.loader import stream
 
-    original = stream.Stream._apply
+    original = stream.Stream.apply
 
     def apply_then_fail(self: Any, index: int, payload: Any) -> None:
         if index == 8:
@@ -390,7 +390,7 @@ def load_with_failing_receiver(
         original(self, index, payload)
 
     if dist.get_rank() == failing_rank:
-        stream.Stream._apply = apply_then_fail  # type: ignore[method-assign]
+        stream.Stream.apply = apply_then_fail  # type: ignore[method-assign]
     try:
         with megatron(layout):
             chunks = build(checkpoint)
@@ -403,7 +403,7 @@ def load_with_failing_receiver(
             written = sum(not torch.equal(p, before[n]) for n, p in chunks[0].named_parameters())
             return attempts, (written, len(before)), host_group_works()
     finally:
-        stream.Stream._apply = original  # type: ignore[method-assign]
+        stream.Stream.apply = original  # type: ignore[method-assign]
 
 
 def load_with_stalled_read(
@@ -545,18 +545,18 @@ def load_seeing_shared_segments(
 
     segments: set[str] = set()
     files: set[str] = set()
-    original = stream.Stream._apply
+    original = stream.Stream.apply
 
     def apply_and_look(self: Any, index: int, payload: Any) -> None:
         segments.update(mapped(PREFIX))
         files.update(os.path.basename(f) for f in mapped(checkpoint))
         original(self, index, payload)
 
-    stream.Stream._apply = apply_and_look  # type: ignore[method-assign]
+    stream.Stream.apply = apply_and_look  # type: ignore[method-assign]
     try:
         with simulated_nodes(ranks_per_node), megatron(layout):
             chunks = build(checkpoint)
             load_hf_checkpoint(chunks, checkpoint, settings=settings(**overrides))
     finally:
-        stream.Stream._apply = original  # type: ignore[method-assign]
+        stream.Stream.apply = original  # type: ignore[method-assign]
     return segments, files, mapped(PREFIX)

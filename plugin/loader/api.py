@@ -38,7 +38,7 @@ from megastart.distributed import (
     discard_control,
     kept_control,
 )
-from megastart.loader import pagecache
+from megastart.loader import pagecache, roles
 from megastart.loader.checkpoint import CheckpointMeta, QuantisedCheckpoint, read_metadata
 from megastart.loader.copier import Copier, copy_threads
 from megastart.loader.model import UnsupportedArchitecture, local_needs, mapping_table
@@ -278,7 +278,7 @@ def _load(
     with phase(f"{PLUGIN}: streaming {checkpoint!r} and verifying the coverage") as loaded:
         with Copier(device, copy_threads(len(route.node))) as copier:
             stream = Stream(meta, plan, needs, tensors, shard, coverage, route, copier)
-            read, sent = stream.run(settings)
+            read, sent = roles.run(stream, settings)
         coverage.check([n.param for n in needs])  # every parameter but those left to the host
         loaded.share(Streamed(read, sent))
         # A rank done early waits here, as long as the readers read; the verdict's gather

@@ -95,6 +95,16 @@ class Route:
     def leads(self) -> bool:
         return self.node[0] == self.position
 
+    @property
+    def members(self) -> list[int]:
+        """Global ranks of this rank's node, its leader first."""
+        return [self.group[p] for p in self.node]
+
+    @property
+    def leader(self) -> int:
+        """Global rank of this rank's node leader."""
+        return self.group[self.node[0]]
+
     def leaders_for(self, ranks: Sequence[int]) -> tuple[int, ...]:
         """Global ranks of the leaders a bucket for ``ranks`` (positions) goes to, the reader first."""
         return tuple(self.group[p] for p in self.nodes.leaders_reached(ranks))

@@ -20,6 +20,8 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,6 +29,8 @@ from megastart.loader.copier import page_lock, page_unlock
 
 if TYPE_CHECKING:
     import torch
+
+    from megastart.distributed import Board
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "megastart-loader-"
@@ -122,3 +126,50 @@ def _reserve(fd: int, nbytes: int, path: Path) -> None:
             f"({free.f_bavail * free.f_frsize / 2**20:.0f} MiB free in {SHM_DIR}): give the "
             "container more (docker --shm-size, or --ipc=host) or lower rank0_loader.bucket_mb",
         ) from e
+
+
+@contextmanager
+def node_segment(
+    board: Board,
+    *,
+    members: Sequence[int],
+    leads: bool,
+    nbytes: int,
+    fill: Callable[[Segment], None] | None = None,
+) -> Iterator[Segment]:
+    """The node's shared segment for one use in a load: made by the leader (``members[0]``,
+    who ``fill`` s it and posts its name on the load's ``board`` before the others look),
+    mapped whole by the node's other ranks, its name removed once all have mapped it (a
+    killed process leaks nothing), unmapped when the block ends. A leader that fails is
+    announced on the board, and the others stop."""
+    leader = members[0]
+    segment = _made_or_mapped(board, f"segment/{leader}", leads, nbytes, fill)
+    try:
+        if leads:
+            what = f"node ranks {list(members)} to map the shared segment"
+            board.arrivals(f"mapped/{leader}", len(members) - 1, what)
+            segment.unlink()
+        else:
+            board.arrive(f"mapped/{leader}")
+        yield segment
+    finally:
+        if leads:
+            segment.unlink()
+        segment.close()
+
+
+def _made_or_mapped(
+    board: Board, key: str, leads: bool, nbytes: int, fill: Callable[[Segment], None] | None
+) -> Segment:
+    if not leads:
+        return Segment.open(board.read(key, "the name of the node's shared segment"))
+    segment = Segment.create(nbytes)
+    try:
+        if fill is not None:
+            fill(segment)
+        board.post(key, segment.name)
+    except BaseException:
+        segment.unlink()
+        segment.close()
+        raise
+    return segment

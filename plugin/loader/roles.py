@@ -1,0 +1,236 @@
+"""The stream's roles on one rank (:mod:`megastart.loader.route`), each a function of the
+rank's :class:`~megastart.loader.stream.Stream`:
+
+* :func:`read`: the **reader** (first rank of its reader group, leader of its node)
+  reads each bucket in a background thread
+  (:class:`~megastart.loader.transport.Prefetcher`): into the page cache when only
+  its node needs it, and its node's ranks copy from their own mappings of the files
+  (:mod:`megastart.loader.pagecache`, ``reader_node=page_cache``); else into a
+  buffer (with ``shared_memory``, one of its node's shared buffers), which it
+  broadcasts to the other nodes' leaders that need it;
+* :func:`relay`: a **leader** of another node receives the buckets its node needs
+  straight into its node's shared buffers and announces them;
+* :func:`take`: every other rank waits for its node's announcements and copies its
+  slices out of the shared buffer; :func:`take_cached`: on the reader's node with the
+  page cache, out of its own mapping of the files once the reader has read the bucket.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Executor
+from contextlib import contextmanager
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from megastart.distributed import CollectiveError
+from megastart.loader.checkpoint import TensorReader
+from megastart.loader.pagecache import Frontier, Window
+from megastart.loader.progress import Progress
+from megastart.loader.settings import Rank0LoaderSettings
+from megastart.loader.stream import SLOTS, InUse, Payload, Source
+from megastart.loader.transport import IN_FLIGHT, READ_PART_BYTES, Prefetcher, ReaderError, fill
+
+if TYPE_CHECKING:
+    import torch
+
+    from megastart.loader.stream import Stream
+
+
+def run(stream: Stream, settings: Rank0LoaderSettings) -> tuple[int, int]:
+    """Stream every bucket this rank takes part in, in its role; returns (bytes read, bytes
+    sent between nodes)."""
+    route = stream.route
+    if route.position == 0:
+        return read(stream, settings)
+    if route.leads:
+        return relay(stream)
+    if route.page_cache:
+        return take_cached(stream)
+    return take(stream)
+
+
+def read(stream: Stream, settings: Rank0LoaderSettings) -> tuple[int, int]:
+    import torch
+
+    reader = TensorReader(stream.meta)
+    progress = Progress(stream.plan.nbytes, enabled=settings.progress)
+    leaders = stream.route.leaders
+    staging = _staging(stream)
+    in_use: deque[InUse] = deque()
+    sent = 0
+    with _reader_slots(stream) as slots, stream.frontier() as frontier:
+        fetch = partial(_fetch, stream, reader, slots, frontier)
+        # From the page cache alone, nothing bounds the read-ahead: it holds no memory.
+        ahead = len(stream.plan.buckets) if stream.route.page_cache and leaders is None else SLOTS
+        prefetch = Prefetcher(reader, stream.plan, fetch, ahead, board=stream.route.board)
+        try:
+            for index, bucket in enumerate(stream.plan.buckets):
+                try:
+                    slot, source = prefetch.next()
+                except CollectiveError:  # a stall or a peer's failure: on the board already
+                    raise
+                except BaseException as e:
+                    for used in in_use:  # what was announced is delivered before the error
+                        stream.deliver(used)
+                    stream.fail(
+                        f"reader rank {stream.route.group[0]} failed: {type(e).__name__}: {e}",
+                        frontier,
+                    )
+                    raise
+                stream.route.board.advance()  # every peer's wait starts again
+                used = InUse()
+                copied = None
+                if leaders is not None and isinstance(source, Window):  # no other node needs it
+                    used.sends.append(leaders.announce(bucket.nbytes, 0))
+                elif leaders is not None:
+                    wire = source.data
+                    if staging:  # NCCL between nodes: the slot travels from the GPU
+                        wire = staging[index % IN_FLIGHT][: bucket.nbytes]
+                        wire.copy_(source.data, non_blocking=True)
+                        copied = torch.cuda.Event()
+                        copied.record()
+                    to = stream.route.leaders_for(bucket.ranks)
+                    used.sends.append(leaders.send(wire, to))
+                    sent += bucket.nbytes if len(to) > 1 else 0
+                used.done = stream.announce(index, slot, bucket.nbytes)
+                used.release = partial(prefetch.release, slot, copied)
+                stream.apply(index, source)
+                del source  # a bucket's mapping goes once it is applied
+                progress.advance(bucket.nbytes)
+                in_use.append(used)
+                if len(in_use) == IN_FLIGHT:
+                    stream.finish(in_use.popleft())
+            while in_use:
+                stream.finish(in_use.popleft())
+            stream.drain()
+            reader.check_unchanged()  # the bytes sent were one version of the checkpoint
+        finally:
+            prefetch.close()
+    return reader.bytes_read, sent
+
+
+def _fetch(
+    stream: Stream,
+    reader: TensorReader,
+    slots: list[torch.Tensor],
+    frontier: Frontier | None,
+    index: int,
+    slot: int,
+    pool: Executor,
+) -> Source:
+    """The reader's read of bucket ``index`` (in its read-ahead thread): into the page cache
+    when only this node needs it and takes it from there, else into ``slots[slot]``; then
+    the node's ranks may take it from the page cache (``frontier``)."""
+    bucket = stream.plan.buckets[index]
+    source: Source
+    if stream.route.page_cache and len(stream.route.leaders_for(bucket.ranks)) == 1:
+        Window(reader.meta, bucket.slots).populate(reader, pool, READ_PART_BYTES)
+        # Mapped again, unpopulated, for the reader's own slices: it holds no memory until
+        # the reader copies them, however far ahead this thread reads.
+        source = Window(reader.meta, stream.mine(bucket))
+    else:
+        payload = slots[slot][: bucket.nbytes]
+        fill(reader, bucket, payload, pool)
+        source = Payload(payload)
+    if frontier is not None:
+        frontier.publish(index + 1)
+    return source
+
+
+def relay(stream: Stream) -> tuple[int, int]:
+    """Another node's leader: receive its node's buckets into the shared slots, announce them."""
+    import torch
+
+    leaders = stream.route.leaders
+    assert leaders is not None
+    staging = _staging(stream)
+    in_use: deque[InUse] = deque()
+    with stream.slots() as slots:
+        free = deque(range(len(slots)))
+        for index, bucket in enumerate(stream.plan.buckets):
+            to = stream.route.leaders_for(bucket.ranks)
+            target = staging[index % IN_FLIGHT] if staging else slots[free[0]]
+            try:
+                started = leaders.receive(target, to, bucket.nbytes)
+            except ReaderError as e:
+                stream.fail(str(e))
+                raise
+            if started is None:
+                continue
+            slot = free.popleft()
+            payload, work = started
+            leaders.wait(work, "a bucket's broadcast")
+            if staging:
+                slots[slot][: bucket.nbytes].copy_(payload)
+                torch.cuda.current_stream().synchronize()
+            done = stream.announce(index, slot, bucket.nbytes)
+            stream.apply(index, Payload(slots[slot][: bucket.nbytes]))
+            in_use.append(InUse(done=done, release=partial(free.append, slot)))
+            if len(in_use) == IN_FLIGHT:
+                stream.finish(in_use.popleft())
+        while in_use:
+            stream.finish(in_use.popleft())
+        stream.drain()
+    return 0, 0
+
+
+def take(stream: Stream) -> tuple[int, int]:
+    """A rank that leads nothing: copy its slices out of each announced slot."""
+    import torch
+    import torch.distributed as dist
+
+    local = stream.route.local
+    assert local is not None
+    reported: deque[Any] = deque()
+    with stream.slots() as slots:
+        for index in stream.local:
+            bucket = stream.plan.buckets[index]
+            slot = local.announced(bucket.nbytes, slots[0].numel(), len(slots))
+            stream.apply(index, Payload(slots[slot][: bucket.nbytes]))
+            reported.append(dist.all_reduce(torch.zeros(1), group=stream.route.done, async_op=True))
+            if len(reported) == IN_FLIGHT:
+                stream.reported(reported.popleft())
+        while reported:
+            stream.reported(reported.popleft())
+    return 0, 0
+
+
+def take_cached(stream: Stream) -> tuple[int, int]:
+    """A rank of the reader's node that reads no files: once the reader has read a bucket
+    into the page cache, copy this rank's slices out of its own mapping of the files."""
+    with stream.frontier() as frontier:
+        assert frontier is not None
+        for index, bucket in enumerate(stream.plan.buckets):
+            mine = stream.mine(bucket)
+            if mine:
+                frontier.wait(index + 1, stream.route.board)
+                stream.apply(index, Window(stream.meta, mine))
+    return 0, 0
+
+
+@contextmanager
+def _reader_slots(stream: Stream) -> Iterator[list[torch.Tensor]]:
+    """The reader's bucket slots: its node's shared ones, or with the page cache private
+    ones for the buckets other nodes need (none on a single node)."""
+    import torch
+
+    if not stream.route.page_cache:
+        with stream.slots() as slots:
+            yield slots
+        return
+    size = stream.plan.max_bucket_bytes if stream.route.leaders is not None else 0
+    pin = stream.route.device.type == "cuda" and size > 0
+    yield [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(SLOTS)]
+
+
+def _staging(stream: Stream) -> list[torch.Tensor]:
+    """GPU buffers for NCCL between node leaders (none for gloo, or a single node)."""
+    import torch
+
+    leaders = stream.route.leaders
+    if leaders is None or leaders.device.type != "cuda":
+        return []
+    size = stream.plan.max_bucket_bytes
+    return [torch.empty(size, dtype=torch.uint8, device=leaders.device) for _ in range(IN_FLIGHT)]
