@@ -29,7 +29,7 @@ from megastart.loader.checkpoint import CheckpointMeta, read_metadata
 from megastart.loader.experts import global_expert_name
 from megastart.loader.mappings import mapping_for
 from megastart.loader.plan import ParamInfo, PlanError, resolve_needs
-from megastart.loader.stream import SLOTS
+from megastart.loader.stream import BUFFERS
 from megastart.loader.transforms import Shard
 
 LAYOUTS: dict[str, tuple[int, dict[str, int]]] = {
@@ -150,7 +150,7 @@ def test_no_rank_holds_more_than_a_bucket_of_other_ranks_experts(
     slack = 2**20  # the plan's Python objects, gloo's groups
     for rank, grew in rank_pools[2].run(load_measuring_peak, directory, {"ep": 2}, bucket / 2**20):
         # The node's shared slots, which both ranks map (RSS counts them in each).
-        assert grew <= SLOTS * bucket + slack, f"rank {rank} grew by {grew / 2**20:.1f} MiB"
+        assert grew <= BUFFERS * bucket + slack, f"rank {rank} grew by {grew / 2**20:.1f} MiB"
 
 
 def meta_of(directory: str) -> CheckpointMeta:

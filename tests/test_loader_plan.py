@@ -316,11 +316,11 @@ def test_each_bucket_goes_to_the_reader_and_the_ranks_that_need_it_only() -> Non
     demands = [[((n,), "float32") for n in names] for names in (stage[0], stage[0], stage[1])]
     plan = build_plan(demands, meta, bucket_bytes=FFN * HIDDEN * 4)
     assert receiver_sets(demands) == [(0, 1), (0, 2)]
-    assert {bucket.ranks for bucket in plan.buckets} == {(0, 1), (0, 2)}
+    assert {bucket.positions for bucket in plan.buckets} == {(0, 1), (0, 2)}
     for bucket in plan.buckets:
         for slot in bucket.slots:
             needed_by = (0, *[r for r in (1, 2) if slot.name in {n for (n,), _ in demands[r]}])
-            assert bucket.ranks == needed_by, slot.name
+            assert bucket.positions == needed_by, slot.name
     assert max(b.nbytes for b in plan.buckets) <= FFN * HIDDEN * 4
 
 

@@ -11,7 +11,7 @@ in turn, each filled on a thread of its own (:func:`copy_threads`: a rank
 runs with ``torch.set_num_threads(1)``, torchrun's default, so one thread
 would fill at a single core's rate) while the GPU copies those filled before;
 the dtype conversion, if any, happens in the fill. A contiguous piece
-the caller knows to be page-locked already (the loader's slots are, with CUDA
+the caller knows to be page-locked already (the loader's buffers are, with CUDA
 parameters) goes straight; asking CUDA instead (``Tensor.is_pinned``) cost
 about a millisecond a piece there.
 """

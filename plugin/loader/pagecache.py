@@ -2,7 +2,7 @@
 
 On the node that holds the checkpoint's reader, a bucket's bytes are already in
 memory the whole node shares once the reader has read them: the page cache.
-Copying them into a shared-memory slot first and out of it again moves every
+Copying them into a shared-memory buffer first and out of it again moves every
 byte twice; here each rank copies its slices straight out of its own
 read-only mapping of the files, the way AReaL's per-rank slices do, and the
 measurements in the README (``megastart bench loader``, both page-cache

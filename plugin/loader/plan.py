@@ -73,8 +73,8 @@ class Bucket:
 
     slots: tuple[Slot, ...]
     nbytes: int
-    ranks: tuple[int, ...] = (0,)
-    """Positions in the reader group of the ranks it is broadcast to: the reader (0)
+    positions: tuple[int, ...] = (0,)
+    """The positions in the reader group of the ranks it is broadcast to: the reader (0)
     and every rank that needs one of its slots."""
 
 
@@ -274,7 +274,7 @@ def build_plan(
 
 
 def receiver_sets(demands_by_rank: Sequence[Sequence[Demand]]) -> list[tuple[int, ...]]:
-    """The distinct :attr:`Bucket.ranks` of the plan for these demands, sorted."""
+    """The distinct :attr:`Bucket.positions` of the plan for these demands, sorted."""
     return sorted(set(_consumers(demands_by_rank)[1].values()))
 
 

@@ -29,7 +29,7 @@ from megastart.loader.checkpoint import TensorReader
 from megastart.loader.pagecache import Frontier, Window
 from megastart.loader.progress import Progress
 from megastart.loader.settings import Rank0LoaderSettings
-from megastart.loader.stream import SLOTS, InUse, Payload, Source
+from megastart.loader.stream import BUFFERS, InUse, Payload, Source
 from megastart.loader.transport import IN_FLIGHT, READ_PART_BYTES, Prefetcher, ReaderError, fill
 
 if TYPE_CHECKING:
@@ -60,15 +60,15 @@ def read(stream: Stream, settings: Rank0LoaderSettings) -> tuple[int, int]:
     staging = _staging(stream)
     in_use: deque[InUse] = deque()
     sent = 0
-    with _reader_slots(stream) as slots, stream.frontier() as frontier:
-        fetch = partial(_fetch, stream, reader, slots, frontier)
+    with _reader_buffers(stream) as buffers, stream.frontier() as frontier:
+        fetch = partial(_fetch, stream, reader, buffers, frontier)
         # From the page cache alone, nothing bounds the read-ahead: it holds no memory.
-        ahead = len(stream.plan.buckets) if stream.route.page_cache and leaders is None else SLOTS
+        ahead = len(stream.plan.buckets) if stream.route.page_cache and leaders is None else BUFFERS
         prefetch = Prefetcher(reader, stream.plan, fetch, ahead, board=stream.route.board)
         try:
             for index, bucket in enumerate(stream.plan.buckets):
                 try:
-                    slot, source = prefetch.next()
+                    buffer, source = prefetch.next()
                 except CollectiveError:  # a stall or a peer's failure: on the board already
                     raise
                 except BaseException as e:
@@ -86,16 +86,16 @@ def read(stream: Stream, settings: Rank0LoaderSettings) -> tuple[int, int]:
                     used.sends.append(leaders.announce(bucket.nbytes, 0))
                 elif leaders is not None:
                     wire = source.data
-                    if staging:  # NCCL between nodes: the slot travels from the GPU
+                    if staging:  # NCCL between nodes: the buffer travels from the GPU
                         wire = staging[index % IN_FLIGHT][: bucket.nbytes]
                         wire.copy_(source.data, non_blocking=True)
                         copied = torch.cuda.Event()
                         copied.record()
-                    to = stream.route.leaders_for(bucket.ranks)
+                    to = stream.route.leaders_for(bucket.positions)
                     used.sends.append(leaders.send(wire, to))
                     sent += bucket.nbytes if len(to) > 1 else 0
-                used.done = stream.announce(index, slot, bucket.nbytes)
-                used.release = partial(prefetch.release, slot, copied)
+                used.done = stream.announce(index, buffer, bucket.nbytes)
+                used.release = partial(prefetch.release, buffer, copied)
                 stream.apply(index, source)
                 del source  # a bucket's mapping goes once it is applied
                 progress.advance(bucket.nbytes)
@@ -114,24 +114,24 @@ def read(stream: Stream, settings: Rank0LoaderSettings) -> tuple[int, int]:
 def _fetch(
     stream: Stream,
     reader: TensorReader,
-    slots: list[torch.Tensor],
+    buffers: list[torch.Tensor],
     frontier: Frontier | None,
     index: int,
-    slot: int,
+    buffer: int,
     pool: Executor,
 ) -> Source:
     """The reader's read of bucket ``index`` (in its read-ahead thread): into the page cache
-    when only this node needs it and takes it from there, else into ``slots[slot]``; then
+    when only this node needs it and takes it from there, else into ``buffers[buffer]``; then
     the node's ranks may take it from the page cache (``frontier``)."""
     bucket = stream.plan.buckets[index]
     source: Source
-    if stream.route.page_cache and len(stream.route.leaders_for(bucket.ranks)) == 1:
+    if stream.route.page_cache and len(stream.route.leaders_for(bucket.positions)) == 1:
         Window(reader.meta, bucket.slots).populate(reader, pool, READ_PART_BYTES)
         # Mapped again, unpopulated, for the reader's own slices: it holds no memory until
         # the reader copies them, however far ahead this thread reads.
         source = Window(reader.meta, stream.mine(bucket))
     else:
-        payload = slots[slot][: bucket.nbytes]
+        payload = buffers[buffer][: bucket.nbytes]
         fill(reader, bucket, payload, pool)
         source = Payload(payload)
     if frontier is not None:
@@ -140,18 +140,18 @@ def _fetch(
 
 
 def relay(stream: Stream) -> tuple[int, int]:
-    """Another node's leader: receive its node's buckets into the shared slots, announce them."""
+    """Another node's leader: receive its node's buckets into the shared buffers, announce them."""
     import torch
 
     leaders = stream.route.leaders
     assert leaders is not None
     staging = _staging(stream)
     in_use: deque[InUse] = deque()
-    with stream.slots() as slots:
-        free = deque(range(len(slots)))
+    with stream.buffers() as buffers:
+        free = deque(range(len(buffers)))
         for index, bucket in enumerate(stream.plan.buckets):
-            to = stream.route.leaders_for(bucket.ranks)
-            target = staging[index % IN_FLIGHT] if staging else slots[free[0]]
+            to = stream.route.leaders_for(bucket.positions)
+            target = staging[index % IN_FLIGHT] if staging else buffers[free[0]]
             try:
                 started = leaders.receive(target, to, bucket.nbytes)
             except ReaderError as e:
@@ -159,15 +159,15 @@ def relay(stream: Stream) -> tuple[int, int]:
                 raise
             if started is None:
                 continue
-            slot = free.popleft()
+            buffer = free.popleft()
             payload, work = started
             leaders.wait(work, "a bucket's broadcast")
             if staging:
-                slots[slot][: bucket.nbytes].copy_(payload)
+                buffers[buffer][: bucket.nbytes].copy_(payload)
                 torch.cuda.current_stream().synchronize()
-            done = stream.announce(index, slot, bucket.nbytes)
-            stream.apply(index, Payload(slots[slot][: bucket.nbytes]))
-            in_use.append(InUse(done=done, release=partial(free.append, slot)))
+            done = stream.announce(index, buffer, bucket.nbytes)
+            stream.apply(index, Payload(buffers[buffer][: bucket.nbytes]))
+            in_use.append(InUse(done=done, release=partial(free.append, buffer)))
             if len(in_use) == IN_FLIGHT:
                 stream.finish(in_use.popleft())
         while in_use:
@@ -177,18 +177,18 @@ def relay(stream: Stream) -> tuple[int, int]:
 
 
 def take(stream: Stream) -> tuple[int, int]:
-    """A rank that leads nothing: copy its slices out of each announced slot."""
+    """A rank that leads nothing: copy its slices out of each announced buffer."""
     import torch
     import torch.distributed as dist
 
     local = stream.route.local
     assert local is not None
     reported: deque[Any] = deque()
-    with stream.slots() as slots:
+    with stream.buffers() as buffers:
         for index in stream.local:
             bucket = stream.plan.buckets[index]
-            slot = local.announced(bucket.nbytes, slots[0].numel(), len(slots))
-            stream.apply(index, Payload(slots[slot][: bucket.nbytes]))
+            buffer = local.announced(bucket.nbytes, buffers[0].numel(), len(buffers))
+            stream.apply(index, Payload(buffers[buffer][: bucket.nbytes]))
             reported.append(dist.all_reduce(torch.zeros(1), group=stream.route.done, async_op=True))
             if len(reported) == IN_FLIGHT:
                 stream.reported(reported.popleft())
@@ -211,18 +211,18 @@ def take_cached(stream: Stream) -> tuple[int, int]:
 
 
 @contextmanager
-def _reader_slots(stream: Stream) -> Iterator[list[torch.Tensor]]:
-    """The reader's bucket slots: its node's shared ones, or with the page cache private
+def _reader_buffers(stream: Stream) -> Iterator[list[torch.Tensor]]:
+    """The reader's bucket buffers: its node's shared ones, or with the page cache private
     ones for the buckets other nodes need (none on a single node)."""
     import torch
 
     if not stream.route.page_cache:
-        with stream.slots() as slots:
-            yield slots
+        with stream.buffers() as buffers:
+            yield buffers
         return
     size = stream.plan.max_bucket_bytes if stream.route.leaders is not None else 0
     pin = stream.route.device.type == "cuda" and size > 0
-    yield [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(SLOTS)]
+    yield [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(BUFFERS)]
 
 
 def _staging(stream: Stream) -> list[torch.Tensor]:

@@ -4,19 +4,19 @@ A reader group (every rank with ``reader=global``, one node with ``reader=node``
 is split into its nodes (:func:`~megastart.loader.transport.node_key`). Each
 node's lowest rank leads it; the reader leads its own node. A bucket crosses
 to each other node that needs it once, broadcast among the leaders that need
-it; inside a node it is written once into the leader's shared-memory slots
+it; inside a node it is written once into the leader's shared-memory buffers
 (:mod:`megastart.loader.shm`), and every local rank copies its own slices out
 of them, in parallel, with no socket. Small per-bucket headers ("bucket in
-slot *s*", or the reader's error) go over a gloo group of the node, and a
-second one carries "done with that slot" back, so the leader knows when it may
-refill a slot. Neither is the phases' control group: a stream that failed may
+buffer *s*", or the reader's error) go over a gloo group of the node, and a
+second one carries "done with that buffer" back, so the leader knows when it may
+refill a buffer. Neither is the phases' control group: a stream that failed may
 leave operations pending on its groups, and the control group must still
 carry every rank's error. Every wait on them watches the load's
 :class:`~megastart.distributed.Board`.
 
 The reader's node takes its slices out of the page cache instead
 (:mod:`~megastart.loader.pagecache`) when every rank of it can: it needs no
-slots, and so neither of the node's groups (each costs milliseconds to make
+buffers, and so neither of the node's groups (each costs milliseconds to make
 and to destroy, a tenth of a warm load).
 """
 
@@ -81,7 +81,7 @@ class Route:
     local: Channel | None
     """Headers from the node leader to the node's ranks (a node of several ranks)."""
     done: dist.ProcessGroup | None
-    """The node's ranks report a slot read over it (a node of several ranks)."""
+    """The node's ranks report a buffer read over it (a node of several ranks)."""
     board: Board
     """The load's board: where failures are announced and every wait looks."""
     page_cache: bool
@@ -105,14 +105,14 @@ class Route:
         """Global rank of this rank's node leader."""
         return self.group[self.node[0]]
 
-    def leaders_for(self, ranks: Sequence[int]) -> tuple[int, ...]:
-        """Global ranks of the leaders a bucket for ``ranks`` (positions) goes to, the reader first."""
-        return tuple(self.group[p] for p in self.nodes.leaders_reached(ranks))
+    def leaders_for(self, positions: Sequence[int]) -> tuple[int, ...]:
+        """Global ranks of the leaders a bucket for ``positions`` goes to, the reader first."""
+        return tuple(self.group[p] for p in self.nodes.leaders_reached(positions))
 
     def local_buckets(self, plan: Plan) -> list[int]:
         """The buckets some rank of this node other than its leader needs, in plan order."""
         others = set(self.node[1:])
-        return [i for i, bucket in enumerate(plan.buckets) if others.intersection(bucket.ranks)]
+        return [i for i, bucket in enumerate(plan.buckets) if others.intersection(bucket.positions)]
 
 
 def open_route(
@@ -130,7 +130,7 @@ def open_route(
 
     :param groups: global ranks of every reader group, the reader first.
     :param node_keys: every global rank's node key.
-    :param receiver_sets: per reader group, the distinct :attr:`Bucket.ranks` of its plan.
+    :param receiver_sets: per reader group, the distinct :attr:`Bucket.positions` of its plan.
     :param page_cache: per global rank, whether it may take its slices out of the page
         cache; a reader's node does if all its ranks may.
     :param backend: the backend between node leaders.

@@ -25,7 +25,7 @@ class Rank0LoaderSettings:
     """How the other ranks on the reader's node take their slices: ``page_cache``, each
     from its own read-only mapping of the files, once the reader has read a bucket into
     the page cache (one copy per byte; the faster route in ``megastart bench loader``,
-    README); ``shared_memory``, out of shared-memory slots the reader reads into (two
+    README); ``shared_memory``, out of shared-memory buffers the reader reads into (two
     copies, but the reader's read is all the node's ranks touch). Other nodes always
     receive into shared memory; ``.bin`` checkpoints, and kernels without
     ``MADV_POPULATE_READ`` (before Linux 5.14), always use shared memory."""
@@ -38,7 +38,7 @@ class Rank0LoaderSettings:
     ``megastart bench loader`` (1 GB Qwen2, TP2 x PP2, gloo) it loaded faster than
     64 or 256 when buckets travelled by broadcast (smaller messages let the read of
     the next bucket and the broadcast tree's hops overlap sooner); three 32 MiB
-    slots keep a node's transient memory near 0.1 GB; 32 MiB messages already
+    buffers keep a node's transient memory near 0.1 GB; 32 MiB messages already
     reach a broadcast's bandwidth between nodes (gloo here, NCCL on NVLink).
     Accepted: 0.01 to 1024. Below 10 KiB each bucket's fixed cost (a header
     broadcast, a read call) outweighs its bytes; above 1 GiB the memory bound

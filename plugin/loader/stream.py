@@ -4,13 +4,13 @@ Every rank applies a bucket (the transform of each HF tensor into the slice
 of each of its parameters that this rank holds, recorded in the coverage)
 from its node's shared memory or the page cache: into CPU parameters with one
 copy; into CUDA parameters with one host-to-device copy per rank, from the
-page-locked slot or through page-locked chunks filled on a few threads
+page-locked buffer or through page-locked chunks filled on a few threads
 (:mod:`megastart.loader.copier`), so a node's GPUs fill in parallel over
-their own links. A slot is refilled
+their own links. A buffer is refilled
 once every local rank has reported it read; :data:`IN_FLIGHT` buckets are in
-use at once, and one more slot is being filled.
+use at once, and one more buffer is being filled.
 
-Every wait of a rank on another (a header, a broadcast, a slot's reports,
+Every wait of a rank on another (a header, a broadcast, a buffer's reports,
 the reader's read-ahead) looks at the load's
 :class:`~megastart.distributed.Board` between slices: a failure anywhere
 stops it at once, and a stall is named after ``timeout_s``.
@@ -39,8 +39,8 @@ from megastart.loader.verify import Coverage
 if TYPE_CHECKING:
     import torch
 
-SLOTS = IN_FLIGHT + 1
-"""Bucket-sized slots per node: :data:`IN_FLIGHT` in use, one being filled."""
+BUFFERS = IN_FLIGHT + 1
+"""Bucket-sized buffers per node: :data:`IN_FLIGHT` in use, one being filled."""
 
 
 class Stream:
@@ -78,8 +78,8 @@ class Stream:
         """The slots of ``bucket`` this rank copies from."""
         return [slot for slot in bucket.slots if slot.name in self.consumers]
 
-    def announce(self, index: int, slot: int, nbytes: int) -> Any:
-        """Tell the node's other ranks that bucket ``index`` is in ``slot``, if one needs it;
+    def announce(self, index: int, buffer: int, nbytes: int) -> Any:
+        """Tell the node's other ranks that bucket ``index`` is in ``buffer``, if one needs it;
         returns the report of their having read it, in flight (``None`` if none needs it)."""
         import torch
         import torch.distributed as dist
@@ -91,7 +91,7 @@ class Stream:
             or self.local[self._announced] != index
         ):
             return None
-        local.announce(nbytes, slot)  # in order before the report, which is waited for
+        local.announce(nbytes, buffer)  # in order before the report, which is waited for
         self._announced += 1
         return dist.all_reduce(torch.zeros(1), group=self.route.done, async_op=True)
 
@@ -103,7 +103,7 @@ class Stream:
                 self.route.leaders.wait(work, "a bucket's broadcast")
 
     def finish(self, used: InUse) -> None:
-        """Wait until no rank reads a bucket's slot any more (watching the board); free the slot."""
+        """Wait until no rank reads a bucket's buffer any more (watching the board); free the buffer."""
         self.deliver(used)
         if used.done is not None:
             self.reported(used.done)
@@ -126,23 +126,23 @@ class Stream:
             self.route.local.send_error(message)
 
     @contextmanager
-    def slots(self) -> Iterator[list[torch.Tensor]]:
-        """The node's bucket slots: a shared segment for a node of several ranks, private
+    def buffers(self) -> Iterator[list[torch.Tensor]]:
+        """The node's bucket buffers: a shared segment for a node of several ranks, private
         memory otherwise."""
         import torch
 
         size = self.plan.max_bucket_bytes
         pin = self.route.device.type == "cuda"
         if self.route.local is None:
-            yield [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(SLOTS)]
+            yield [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(BUFFERS)]
             return
-        with self.segment(SLOTS * size) as segment:
+        with self.segment(BUFFERS * size) as segment:
             if pin:
                 segment.pin()
             assert segment.tensor is not None
-            # The leader's slot size: a rank whose plan differs learns it from the first header.
-            size = segment.nbytes // SLOTS
-            yield [segment.tensor[i * size : (i + 1) * size] for i in range(SLOTS)]
+            # The leader's buffer size: a rank whose plan differs learns it from the first header.
+            size = segment.nbytes // BUFFERS
+            yield [segment.tensor[i * size : (i + 1) * size] for i in range(BUFFERS)]
 
     @contextmanager
     def frontier(self) -> Iterator[Frontier | None]:
@@ -176,7 +176,7 @@ class Stream:
 
     def apply(self, index: int, source: Source) -> None:
         """Copy this rank's slices of bucket ``index`` from ``source`` into its parameters
-        (converting to their dtype); returns once the copies have read ``source`` (the slot
+        (converting to their dtype); returns once the copies have read ``source`` (the buffer
         may be refilled then; copies into CUDA may still be in flight until the copier
         closes)."""
         import torch
@@ -209,11 +209,11 @@ class Source(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Payload:
-    """A bucket's bytes in a buffer (a slot of shared memory, a received broadcast)."""
+    """A bucket's bytes in a buffer (a buffer of shared memory, a received broadcast)."""
 
     data: torch.Tensor
     page_locked: ClassVar[bool] = True
-    """With CUDA parameters, every slot of the loader is page-locked (:meth:`Stream.slots`)."""
+    """With CUDA parameters, every buffer of the loader is page-locked (:meth:`Stream.buffers`)."""
 
     def view(self, slot: Slot) -> torch.Tensor:
         return slot_view(self.data, slot)
@@ -221,7 +221,7 @@ class Payload:
 
 @dataclass(slots=True)
 class InUse:
-    """A bucket some rank still reads: its broadcasts to other nodes, the node's report, its slot."""
+    """A bucket some rank still reads: its broadcasts to other nodes, the node's report, its buffer."""
 
     sends: list[Any] = field(default_factory=list)
     done: Any = None

@@ -10,7 +10,7 @@ leaders of their nodes only, in a process group of their own. Inside a node
 no bytes travel over a socket: see :mod:`megastart.loader.route`.
 
 **Protocol.** Per bucket, the sender broadcasts a header ``[status, nbytes,
-slot]`` to its whole group (every node leader of the reader group; inside a
+buffer]`` to its whole group (every node leader of the reader group; inside a
 node, every rank of it), then, between nodes, the payload to the leaders
 that need it. A reader that fails to read (I/O error, file changed under it)
 sends ``status = 1`` and the error message instead, so every rank raises
@@ -142,14 +142,14 @@ class Channel:
             return self._broadcast(payload, self.receivers[ranks], async_op=True)
         return None
 
-    def announce(self, nbytes: int, slot: int) -> dist.Work:
-        """Tell the group that a bucket of ``nbytes`` waits in shared slot ``slot`` (no payload).
+    def announce(self, nbytes: int, buffer: int) -> dist.Work:
+        """Tell the group that a bucket of ``nbytes`` waits in shared buffer ``buffer`` (no payload).
 
         Returns the header's broadcast in flight, for the sender to wait for later
         (:meth:`wait`): it goes on reading while the ranks are still copying the
         buckets before, rather than waiting for each to take its header.
         """
-        return self._broadcast(self._header_tensor(_OK, nbytes, slot), self.group, async_op=True)
+        return self._broadcast(self._header_tensor(_OK, nbytes, buffer), self.group, async_op=True)
 
     def send_error(self, message: str) -> None:
         """Tell the group that the sender failed, and why; each rank raises it as a :class:`ReaderError`."""
@@ -179,20 +179,20 @@ class Channel:
         payload = buffer[:nbytes]
         return payload, self._broadcast(payload, self.receivers[ranks], async_op=True)
 
-    def announced(self, nbytes: int, capacity: int, slots: int) -> int:
-        """Wait for the next :meth:`announce` of a bucket of the plan's ``nbytes``; its slot.
+    def announced(self, nbytes: int, capacity: int, buffers: int) -> int:
+        """Wait for the next :meth:`announce` of a bucket of the plan's ``nbytes``; its buffer.
 
         Raises :class:`ReaderError` if the leader sent an error, and a
         :class:`~megastart.distributed.CollectiveError` if it announced another
-        size, one larger than a slot's ``capacity``, or a slot outside ``range(slots)``.
+        size, one larger than a buffer's ``capacity``, or a buffer outside ``range(buffers)``.
         """
-        status, announced, slot = self._header(_OK, 0)
+        status, announced, buffer = self._header(_OK, 0)
         self._check(status, announced, nbytes, capacity)
-        if not 0 <= slot < slots:
+        if not 0 <= buffer < buffers:
             raise CollectiveError(
-                f"{self.sender} (rank {self.src}) announced slot {slot}, outside the {slots} slots"
+                f"{self.sender} (rank {self.src}) announced buffer {buffer}, outside the {buffers} buffers"
             )
-        return slot
+        return buffer
 
     def wait(self, work: Any, what: str) -> None:
         """Wait for a broadcast of this channel: sliced and watching the board on gloo."""
@@ -219,25 +219,25 @@ class Channel:
         self.wait(self._broadcast(data, self.group, async_op=True), "the error message")
         return bytes(data.cpu().numpy()).decode(errors="replace")
 
-    def _header(self, status: int, nbytes: int, slot: int = 0) -> tuple[int, int, int]:
-        """Broadcast ``[status, nbytes, slot]`` from the sender; what it sent, on every rank."""
+    def _header(self, status: int, nbytes: int, buffer: int = 0) -> tuple[int, int, int]:
+        """Broadcast ``[status, nbytes, buffer]`` from the sender; what it sent, on every rank."""
         import torch.distributed as dist
 
-        header = self._header_tensor(status, nbytes, slot)
+        header = self._header_tensor(status, nbytes, buffer)
         self.wait(self._broadcast(header, self.group, async_op=True), "a bucket's header")
         if dist.get_rank() == self.src:
-            return status, nbytes, slot
+            return status, nbytes, buffer
         received = header.tolist()
         return received[0], received[1], received[2]
 
-    def _header_tensor(self, status: int, nbytes: int, slot: int) -> torch.Tensor:
+    def _header_tensor(self, status: int, nbytes: int, buffer: int) -> torch.Tensor:
         """Filled in place rather than built from a list: on CUDA, a copy from pageable host
         memory would wait for the stream, and the sender, which knows what it sent, never
         reads the header back; so its loop does not wait for the GPU once per bucket."""
         import torch
 
         header = torch.empty(3, dtype=torch.int64, device=self.device)
-        header[0], header[1], header[2] = status, nbytes, slot
+        header[0], header[1], header[2] = status, nbytes, buffer
         return header
 
     def _broadcast(
@@ -254,13 +254,13 @@ Fetched = TypeVar("Fetched")
 class Prefetcher(Generic[Fetched]):
     """Fetches the plan's buckets in a background thread, ahead of the sender.
 
-    ``fetch(index, slot, pool)`` reads bucket ``index`` of the plan, using buffer
-    ``slot`` (if it needs one) and ``pool``'s threads, and returns what the sender
+    ``fetch(index, buffer, pool)`` reads bucket ``index`` of the plan, using buffer
+    ``buffer`` (if it needs one) and ``pool``'s threads, and returns what the sender
     takes: a buffer's bytes, or the bucket's pages made resident in the page
-    cache. The ``slots`` take turns, in the order they are released: one is
+    cache. The ``buffers`` take turns, in the order they are released: one is
     filled while the others are sent (on CPU, gloo sends straight from them),
     copied to the GPU, or read by the node's other ranks; so the read-ahead is
-    at most ``slots`` buckets.
+    at most ``buffers`` buckets.
     """
 
     def __init__(
@@ -268,7 +268,7 @@ class Prefetcher(Generic[Fetched]):
         reader: TensorReader,
         plan: Plan,
         fetch: Callable[[int, int, Executor], Fetched],
-        slots: int,
+        buffers: int,
         *,
         board: Board,
     ) -> None:
@@ -279,8 +279,8 @@ class Prefetcher(Generic[Fetched]):
         self._closed = threading.Event()
         self._free: queue.Queue[tuple[int, Any] | None] = queue.Queue()
         self._ready: queue.Queue[tuple[int, Fetched | None, BaseException | None]] = queue.Queue()
-        for slot in range(slots):
-            self._free.put((slot, None))
+        for buffer in range(buffers):
+            self._free.put((buffer, None))
         self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="megastart-read")
         self._thread = threading.Thread(
             target=self._run, name="megastart-rank0-loader-read", daemon=True
@@ -288,7 +288,7 @@ class Prefetcher(Generic[Fetched]):
         self._thread.start()
 
     def next(self) -> tuple[int, Fetched]:
-        """The next fetched bucket and its slot; re-raises the read error; a read that stalls
+        """The next fetched bucket and its buffer; re-raises the read error; a read that stalls
         past ``timeout_s`` raises :class:`~megastart.distributed.Stalled`, naming the tensor."""
         got: list[tuple[int, Fetched | None, BaseException | None]] = []
 
@@ -300,19 +300,19 @@ class Prefetcher(Generic[Fetched]):
             return True
 
         self._board.wait(ready, self._reading)
-        slot, fetched, error = got[0]
+        buffer, fetched, error = got[0]
         if error is not None:
             raise error
         assert fetched is not None
-        return slot, fetched
+        return buffer, fetched
 
-    def release(self, slot: int, copied: Any = None) -> None:
-        """Give ``slot`` back for the next read, once the CUDA event ``copied`` (if any) has passed.
+    def release(self, buffer: int, copied: Any = None) -> None:
+        """Give ``buffer`` back for the next read, once the CUDA event ``copied`` (if any) has passed.
 
         A copy to the GPU runs asynchronously; the read thread waits for that
         copy alone, not the sender's whole stream.
         """
-        self._free.put((slot, copied))
+        self._free.put((buffer, copied))
 
     def close(self) -> None:
         """Stop reading. Does not wait: a read stalled in the kernel ends (and the read thread
@@ -331,15 +331,15 @@ class Prefetcher(Generic[Fetched]):
                 free = self._free.get()
                 if free is None or self._closed.is_set():
                     return
-                slot, copied = free
+                buffer, copied = free
                 try:
                     if copied is not None:
                         copied.synchronize()
-                    fetched = self._fetch(index, slot, self._pool)
+                    fetched = self._fetch(index, buffer, self._pool)
                 except BaseException as e:  # handed to the sender, which tells every rank
-                    self._ready.put((slot, None, e))
+                    self._ready.put((buffer, None, e))
                     return
-                self._ready.put((slot, fetched, None))
+                self._ready.put((buffer, fetched, None))
                 del fetched  # the sender holds it alone: a mapping goes when the sender is done
         finally:  # the reads of a failed bucket end first: then no read uses the files
             self._pool.shutdown(cancel_futures=True)
