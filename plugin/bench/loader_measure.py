@@ -1,0 +1,251 @@
+"""How ``megastart bench loader`` measures: each strategy in a fresh world of ranks, per
+page-cache condition, with the machine's limits measured next to it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+from collections.abc import Callable
+from dataclasses import asdict, fields
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from megastart.bench.loader_results import (
+    ConditionResult,
+    Layout,
+    Limits,
+    Machine,
+    MemoryFigures,
+    Sampling,
+    StrategyResult,
+    targets,
+)
+
+log = logging.getLogger("megastart")
+
+BROADCAST_PROBE_BYTES = 256 * 2**20
+
+
+def measure(
+    checkpoint: Path,
+    layout: Layout,
+    strategies: tuple[str, ...],
+    *,
+    page_caches: tuple[str, ...] = ("warm",),
+    bucket_mb: int | None = None,
+    repeats: int = 1,
+    sample_s: float = 0.02,
+    timeout_s: float = 600.0,
+    device: str = "cpu",
+    ranks_per_node: int | None = None,
+) -> list[ConditionResult]:
+    """Run the limits and every strategy, once per page-cache condition; one result per
+    condition."""
+    from megastart.bench import limits
+    from megastart.bench.strategies import checkpoint_files
+    from megastart.loader.checkpoint import read_metadata
+
+    meta = read_metadata(checkpoint, allow_pickle=False)
+    files = checkpoint_files(meta)
+    checkpoint_bytes = sum(os.path.getsize(f) for f in files)
+    # Every strategy starts from the same state: the files cached, or dropped before each load.
+    # The first read caches them (with --checkpoint they may come off the storage); the
+    # second is the page cache's speed, which the cold runs' warning compares against.
+    limits.read_throughput(files)
+    cached_read = limits.read_throughput(files)
+    before_read: dict[str, Callable[[], None]] = {
+        condition: partial(limits.drop_from_page_cache, files)
+        if condition == "cold"
+        else _keep_cached
+        for condition in page_caches
+    }
+    probe = min(BROADCAST_PROBE_BYTES, checkpoint_bytes)
+    options = {"transport": "gloo", "progress": False, "timeout_s": timeout_s}
+    if bucket_mb is not None:
+        options["bucket_mb"] = bucket_mb
+    results = {
+        condition: ConditionResult(
+            page_cache=condition,
+            architecture=meta.architectures[0] if meta.architectures else None,
+            layout=layout,
+            device=device,
+            ranks_per_node=ranks_per_node or layout.ranks,
+            checkpoint=str(checkpoint),
+            checkpoint_bytes=checkpoint_bytes,
+            checkpoint_tensors=len(meta.tensors),
+            checkpoint_files=len(files),
+            machine=Machine(
+                cpus=os.cpu_count(),
+                platform=platform.platform(),
+                load_average_at_start=os.getloadavg()[0],
+            ),
+            megastart_settings=options,
+        )
+        for condition in page_caches
+    }
+    # The limits are measured next to every strategy (reads here, broadcasts in its world)
+    # and the best kept: the machine is shared, and a limit is what it can do at best.
+    reads: dict[str, list[tuple[int, float]]] = {condition: [] for condition in page_caches}
+    broadcasts: list[float] = []
+
+    def measure_reads(condition: str) -> None:
+        for _ in range(3):
+            before_read[condition]()
+            reads[condition].append(limits.read_throughput(files))
+
+    for name in strategies:
+        measured, broadcast_s = _measure_strategy(
+            name,
+            checkpoint,
+            layout,
+            options,
+            before_load=before_read,
+            reads=measure_reads,
+            probe_bytes=probe,
+            repeats=repeats,
+            sample_s=sample_s,
+            timeout_s=timeout_s,
+            device=device,
+            ranks_per_node=ranks_per_node or layout.ranks,
+        )
+        broadcasts.append(broadcast_s)
+        for condition, result in measured.items():
+            log.info(
+                "%s, page cache %s: %.2f s, node peak %.2f GB, transient %.2f GB",
+                name,
+                condition,
+                result.wall_s,
+                result.node_peak_bytes / 1e9,
+                result.transient_bytes / 1e9,
+            )
+            results[condition].strategies[name] = result
+    broadcast_s = min(broadcasts)
+    for condition, run in results.items():
+        read_bytes, read_s = min(reads[condition], key=lambda r: r[1])
+        run.limits = Limits(
+            read_gbps=read_bytes / read_s / 1e9,
+            broadcast_gbps=probe / broadcast_s / 1e9,
+            read_s=checkpoint_bytes / (read_bytes / read_s),
+            broadcast_s=checkpoint_bytes / (probe / broadcast_s),
+            broadcast_probe_bytes=probe,
+            measurements=len(reads[condition]),
+            page_cache_read_gbps=cached_read[0] / cached_read[1] / 1e9,
+        )
+        run.machine.load_average_at_end = os.getloadavg()[0]
+        reference = run.strategies["megastart"].checksums
+        for result in run.strategies.values():
+            result.weights_match_megastart = result.checksums == reference
+        run.targets = targets(run)
+    return [results[condition] for condition in page_caches]
+
+
+def _measure_strategy(
+    name: str,
+    checkpoint: Path,
+    layout: Layout,
+    options: dict[str, Any],
+    *,
+    before_load: dict[str, Callable[[], None]],
+    reads: Callable[[str], None],
+    probe_bytes: int,
+    repeats: int,
+    sample_s: float,
+    timeout_s: float,
+    device: str,
+    ranks_per_node: int,
+) -> tuple[dict[str, StrategyResult], float]:
+    """One strategy in a fresh world, so no strategy inherits another's heap or state.
+
+    Per page-cache condition (the keys of ``before_load``, which runs before each
+    load: dropping the page cache, or nothing): ``reads(condition)`` measures
+    the read limit next to it; the first load measures memory, with the sampler
+    reading every rank's full PSS as often as it can; then ``repeats`` loads
+    into the same model measure time, with no sampler competing for the CPU,
+    and the fastest is reported (the one other processes on the machine
+    disturbed least). The conditions share the world: starting one costs more
+    than all of a small checkpoint's loads. Also returns the fastest of three
+    gloo broadcasts of ``probe_bytes`` in this world, in seconds.
+    """
+    from megastart.bench import limits, strategies
+    from megastart.harness.launch import RankPool
+
+    measured = {}
+    nodes = partial(_local_rank, ranks_per_node)
+    with RankPool(layout.ranks, timeout_s=timeout_s, env=nodes) as pool:
+        pids = pool.run(os.getpid)
+        broadcast_s = max(pool.run(limits.broadcast_throughput, probe_bytes))
+        pool.run(strategies.build_model, str(checkpoint), asdict(layout), device)
+        for condition, before in before_load.items():
+            reads(condition)
+            memory = _measure_memory(pool, pids, name, str(checkpoint), options, sample_s, before)
+            walls = []
+            for _ in range(repeats):
+                pool.run(strategies.settle)
+                before()
+                per_rank = pool.run(strategies.load, name, str(checkpoint), options)
+                walls.append(max(r["wall_s"] for r in per_rank))
+            measured[condition] = StrategyResult(
+                implementation=strategies.IMPLEMENTATIONS[name],
+                wall_s=min(walls),
+                wall_s_runs=walls,
+                checksums=pool.run(strategies.checksum),
+                **{f.name: getattr(memory, f.name) for f in fields(memory)},
+            )
+        pool.run(strategies.teardown)
+    return measured, broadcast_s
+
+
+def _measure_memory(
+    pool: Any,
+    pids: list[int],
+    name: str,
+    checkpoint: str,
+    options: dict[str, Any],
+    sample_s: float,
+    before_load: Callable[[], None],
+) -> MemoryFigures:
+    """One load with the node's PSS sampled throughout and the ranks' kernel peak RSS."""
+    from megastart.bench import strategies
+    from megastart.bench.memory import (
+        PssSampler,
+        node_pss_bytes,
+        peak_rss_bytes,
+        reset_peak_rss,
+        rss_bytes,
+    )
+
+    pool.run(strategies.settle)
+    before_load()
+    for pid in pids:
+        reset_peak_rss(pid)
+    with PssSampler(pids, period_s=sample_s, file_every=1) as sampler:
+        per_rank = pool.run(strategies.load, name, checkpoint, options)
+    rank_peaks = [peak_rss_bytes(pid) for pid in pids]
+    pool.run(strategies.settle)
+    steady = node_pss_bytes(pids)
+    rank_transient = sum(peak - rss_bytes(pid) for peak, pid in zip(rank_peaks, pids, strict=True))
+    return MemoryFigures(
+        node_peak_bytes=sampler.peak_bytes,
+        transient_bytes=max(sampler.peak_bytes - steady, 0),
+        steady_bytes=steady,
+        rank_peaks_transient_bytes=max(rank_transient, 0),
+        bytes_read=sum(r["bytes_read"] for r in per_rank),
+        bytes_between_nodes=sum(r["bytes_between_nodes"] for r in per_rank),
+        gpu_peak_extra_bytes=sum(r["gpu_peak_extra_bytes"] for r in per_rank),
+        sampler=Sampling(
+            samples=sampler.samples,
+            mean_period_ms=sampler.mean_period_s * 1e3,
+            cpu_share=sampler.cpu_share,
+        ),
+    )
+
+
+def _local_rank(ranks_per_node: int, rank: int) -> dict[str, str]:
+    """A rank's environment on simulated nodes of ``ranks_per_node`` consecutive ranks."""
+    return {"LOCAL_RANK": str(rank % ranks_per_node), "LOCAL_WORLD_SIZE": str(ranks_per_node)}
+
+
+def _keep_cached() -> None:
+    """``before_load`` of the warm runs: the files stay in the page cache."""
