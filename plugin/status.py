@@ -156,10 +156,8 @@ def render(report: dict[str, Any]) -> str:
         lines.append("  (none installed)")
     lines += ["", "engine adapters (entry-point group 'megastart.engines'):"]
     for e in report["engines"]:
-        state = "compatible" if e["compatible"] else f"NOT compatible ({e['reason']})"
         lines.append(
-            f"  {e['host']:<8} {e['name']}\n"
-            f"           supports {e['supported']}; installed {e['installed_version'] or '-'}: {state}"
+            f"  {e['host']:<8} {e['name']}\n           supports {e['supported']}; {_host_state(e)}"
         )
     if not report["engines"]:
         lines.append("  (none installed)")
@@ -172,13 +170,25 @@ def render(report: dict[str, Any]) -> str:
     if core["warning"]:
         lines.append(f"  WARNING: {core['warning']}")
     lines += ["", "settings (value  <- source):"]
-    for key, entry in report["settings"].items():
-        if "source" in entry:
-            lines.append(f"  {key:<28} {entry['value']!r:<24} <- {entry['source']}")
-        else:
-            for field, sub in entry.items():
-                lines.append(f"  {key + '.' + field:<28} {sub['value']!r:<24} <- {sub['source']}")
+    rows = [
+        (key, entry) if "source" in entry else (f"{key}.{field}", sub)
+        for key, entry in report["settings"].items()
+        for field, sub in ([(None, entry)] if "source" in entry else entry.items())
+    ]
+    width = max((len(name) for name, _ in rows), default=0)
+    values = max((len(repr(entry["value"])) for _, entry in rows), default=0)
+    for name, entry in rows:
+        lines.append(f"  {name:<{width}}  {entry['value']!r:<{values}}  <- {entry['source']}")
     return "\n".join(lines)
+
+
+def _host_state(engine: dict[str, Any]) -> str:
+    """Whether the adapter can attach here: its host installed and in its range, or why not."""
+    if engine["installed_version"] is None:
+        return "not installed here (nothing to attach to)"
+    if engine["compatible"]:
+        return f"installed {engine['installed_version']}: compatible"
+    return f"installed {engine['installed_version']}: NOT compatible ({engine['reason']})"
 
 
 def render_activation(report: dict[str, Any]) -> list[str]:

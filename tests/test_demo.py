@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -33,6 +34,13 @@ def megastart_demo(
         text=True,
         timeout=900,
     )
+
+
+def with_config(checkpoint: Path, directory: Path, config: dict) -> Path:
+    """A copy of ``checkpoint`` (weights and all) with ``config`` as its config.json."""
+    copy = Path(shutil.copytree(checkpoint, directory / "checkpoint", dirs_exist_ok=True))
+    (copy / "config.json").write_text(json.dumps(config))
+    return copy
 
 
 def tensor_bytes(checkpoint: Path) -> int:
@@ -132,15 +140,14 @@ def test_architecture_without_a_mapping_fails_before_any_rank_starts(
 ) -> None:
     config = json.loads((tiny_checkpoint / "config.json").read_text())
     config["architectures"] = ["Qwen2ForQuestionAnswering"]
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    proc = megastart_demo("--checkpoint", str(tmp_path))
+    proc = megastart_demo("--checkpoint", str(with_config(tiny_checkpoint, tmp_path, config)))
     assert proc.returncode == 2
     assert "['Qwen2ForQuestionAnswering']" in proc.stderr
     assert "no mapping" in proc.stderr and "Qwen2ForCausalLM" in proc.stderr
     assert "megastart.mappings" in proc.stderr
 
-    (tmp_path / "config.json").write_text(json.dumps(config | {"model_type": "gpt2"}))
-    proc = megastart_demo("--checkpoint", str(tmp_path))
+    gpt2 = with_config(tiny_checkpoint, tmp_path, config | {"model_type": "gpt2"})
+    proc = megastart_demo("--checkpoint", str(gpt2))
     assert proc.returncode == 2 and "model_type='gpt2'" in proc.stderr
 
 
@@ -149,10 +156,26 @@ def test_reward_model_checkpoint_is_refused_before_any_rank_starts(
 ) -> None:
     config = json.loads((tiny_checkpoint / "config.json").read_text())
     config["architectures"] = ["Qwen2ForTokenClassification"]
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    proc = megastart_demo("--checkpoint", str(tmp_path))
+    proc = megastart_demo("--checkpoint", str(with_config(tiny_checkpoint, tmp_path, config)))
     assert proc.returncode == 2
     assert "a reward model's checkpoint" in proc.stderr and "causal LM" in proc.stderr
+
+
+def test_a_checkpoint_megastart_cannot_load_is_named_by_megastart_before_anything_reads_it(
+    tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    config = json.loads((tiny_checkpoint / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    proc = megastart_demo("--checkpoint", str(tmp_path))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith(
+        f"megastart demo: checkpoint directory '{tmp_path}' holds no *.safetensors"
+    )
+
+    del config["num_attention_heads"]
+    proc = megastart_demo("--checkpoint", str(with_config(tiny_checkpoint, tmp_path, config)))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "config.json lacks num_attention_heads" in proc.stderr
 
 
 def test_blocked_loader_is_refused_because_the_demo_has_no_loader_of_its_own(

@@ -140,3 +140,13 @@ def test_an_error_is_its_message_and_exit_status_2_without_a_traceback(
 
 def test_version_names_the_installed_distribution() -> None:
     assert status("--version").stdout == f"megastart {metadata.version('megastart')}\n"
+
+
+def test_status_says_a_host_that_is_not_installed_is_not_installed_and_keeps_its_columns():
+    text = status("status", MEGASTART_AREAL_SKIP_HF_LOAD_ON_RECOVER="1").stdout
+    areal = text.split("areal.engine.megatron_engine\n", 1)[1].splitlines()[0]
+    assert areal.endswith("not installed here (nothing to attach to)")
+    assert "NOT compatible" not in areal
+    rows = text.split("settings (value  <- source):\n", 1)[1].splitlines()
+    assert len({row.index("<- ") for row in rows}) == 1, rows
+    assert any(row.split()[0] == "areal.skip_hf_load_on_recover" for row in rows)

@@ -32,10 +32,20 @@ class Layout:
         return f"{self.ranks} ranks = TP{self.tp} x PP{self.pp} x DP{self.dp}"
 
 
+_SHAPE_KEYS = ("num_attention_heads", "intermediate_size", "num_hidden_layers", "hidden_size")
+"""config.json keys the demo's model and layout are made from."""
+
+
 def check_layout(layout: Layout, config: Mapping[str, Any], checkpoint: str) -> None:
     """Raise :class:`DemoError` if ``layout`` does not divide the model ``config`` describes."""
     if min(layout.ranks, layout.tp, layout.pp) < 1:
         raise DemoError(f"--ranks, --tp and --pp must be >= 1, got {layout}")
+    missing = [key for key in _SHAPE_KEYS if not isinstance(config.get(key), int)]
+    if missing:
+        raise DemoError(
+            f"{checkpoint}: config.json lacks {', '.join(missing)} (or not as integers), which "
+            "the demo needs to build the model; write the config with transformers' save_pretrained"
+        )
     heads = config["num_attention_heads"]
     divided_by_tp = {
         "num_attention_heads": heads,

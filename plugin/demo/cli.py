@@ -72,18 +72,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megastart.demo.checks import DemoError, Layout
-    from megastart.settings import SettingsError
+    from megastart.demo.checks import Layout
 
     started = time.perf_counter()
     set_by_demo = {} if BUCKET_ENV in os.environ else {BUCKET_ENV: DEMO_BUCKET_MB}
     os.environ.update(set_by_demo)  # the ranks inherit the environment
     layout = Layout(ranks=args.ranks, tp=args.tp, pp=args.pp)
-    try:
-        checkpoint = _checkpoint(args, layout)
-    except (DemoError, SettingsError) as e:
-        print(f"megastart demo: {e}", file=sys.stderr)
-        return 2
+    checkpoint = _checkpoint(args, layout)  # a megastart error: its message, exit status 2
     from megastart.demo.scenario import run_demo
     from megastart.harness.launch import RankFailure
 
@@ -178,17 +173,19 @@ def render_table(results: dict[str, Any]) -> str:
 
 def _checkpoint(args: argparse.Namespace, layout: Any) -> Path:
     """The user's checkpoint or the demo's (made once, cached); checked before any rank starts."""
-    from megastart.demo.checks import DemoError, check_architecture, check_layout
+    from megastart.demo.checks import check_architecture, check_layout
 
     loader_enabled = _plugin_loaded("rank0_loader")
     if args.checkpoint is not None:
+        from megastart.loader.checkpoint import read_metadata
+
         path = args.checkpoint.expanduser().resolve()
-        config_path = path / "config.json"
-        if not config_path.is_file():
-            raise DemoError(
-                f"--checkpoint {path}: no config.json there; pass an HF checkpoint directory"
-            )
-        config = json.loads(config_path.read_text())
+        # megastart's own checks first (config, index, shards, quantisation), as the loader
+        # will make them: nothing else reads the directory before them.
+        meta = read_metadata(path, allow_pickle=False)
+        if meta.quantisation is not None:
+            raise meta.quantisation.refusal(str(path))
+        config = meta.config
         check_architecture(config, str(path), loader_enabled=loader_enabled)
         check_layout(layout, config, str(path))
         return path
