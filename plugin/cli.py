@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 from collections.abc import Mapping
 from importlib import import_module
@@ -69,6 +70,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _plain(text: str) -> str:
+    """A module docstring as a user reads it in ``--help``: without reST markup."""
+    return re.sub(r":\w+:`~?([^`]+)`", r"\1", text).replace("``", "")
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -86,7 +92,7 @@ def add_subcommands(sub: Any, commands: Mapping[str, str], *, run_attr: str = "r
         command = sub.add_parser(
             name,
             help=module.HELP,
-            description=module.__doc__,
+            description=_plain(module.__doc__ or module.HELP),
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         module.add_arguments(command)

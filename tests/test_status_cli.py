@@ -150,3 +150,20 @@ def test_status_says_a_host_that_is_not_installed_is_not_installed_and_keeps_its
     rows = text.split("settings (value  <- source):\n", 1)[1].splitlines()
     assert len({row.index("<- ") for row in rows}) == 1, rows
     assert any(row.split()[0] == "areal.skip_hf_load_on_recover" for row in rows)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("--help",),
+        ("status", "--help"),
+        ("demo", "--help"),
+        ("bench", "--help"),
+        ("bench", "loader", "--help"),
+        ("bench", "warmup", "--help"),
+    ],
+)
+def test_help_is_written_for_users_without_markup(argv: tuple[str, ...]) -> None:
+    text = status(*argv).stdout
+    assert text.startswith("usage: megastart")
+    assert "``" not in text and ":data:" not in text and ":func:" not in text, text

@@ -1,9 +1,13 @@
 """``megastart bench``: measure megastart against what users run today, on this machine.
 
-Each benchmark is a module defining ``HELP``, ``add_arguments(parser)`` and
-``run(args) -> int``, registered in :data:`BENCHMARKS`; modules are imported
-when the command line is parsed, so they must not import torch at module level.
+Each benchmark prints its figures next to a baseline measured in the same run, and
+writes them as JSON with --json. See docs/performance.md for the figures of each
+release and the commands that made them.
 """
+
+# Each benchmark is a module defining HELP, add_arguments(parser) and run(args) -> int,
+# registered in BENCHMARKS; modules are imported when the command line is parsed, so
+# they must not import torch at module level.
 
 from __future__ import annotations
 
