@@ -68,10 +68,10 @@ suite); keep in step with ``megastart.requirements.MEGATRON_CORE_TESTED`` and th
 MEGATRON_SUBSET = (
     # one dense architecture at TP2 x PP2, one MoE at EP2: the parameter names the
     # loader maps come from megatron-core's layer specs
-    "tests/test_loader_logits.py::test_logits_match_transformers[qwen3-tp2_pp2-untied]",
-    "tests/test_loader_moe.py::test_logits_match_transformers[qwen3_moe-ep2]",
+    "tests/loader/test_loader_logits.py::test_logits_match_transformers[qwen3-tp2_pp2-untied]",
+    "tests/loader/test_loader_moe.py::test_logits_match_transformers[qwen3_moe-ep2]",
     # the warmup's group table: parallel_state getters and the pipeline P2P path
-    "tests/test_warmup.py",
+    "tests/warmup/test_warmup.py",
 )
 
 

@@ -43,7 +43,7 @@ ACTIVATION = {"AUTOWRAPT_BOOTSTRAP": "megastart.bootstrap"}
 def activated_pool(env: dict[str, str]) -> Any:
     """Two ranks that import this test directory's modules, with megastart activated
     from start-up as in AReaL's workers, and ``env`` in their environment."""
-    from pyrun import started_with
+    from support.pyrun import started_with
 
     from megastart.harness.launch import RankPool
 

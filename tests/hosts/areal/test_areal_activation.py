@@ -13,7 +13,7 @@ import sys
 
 import pytest
 from areal_cpu import python_path
-from pyrun import run_python
+from support.pyrun import run_python
 
 from megastart.engines.areal import ArealAdapter
 

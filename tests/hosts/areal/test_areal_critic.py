@@ -24,7 +24,7 @@ def _critic_values(checkpoint: str) -> dict:
     """A critic engine loaded through the hook: its values on the test tokens, its head
     before and after the load (``None`` off the last stage)."""
     from areal_ranks import VALUE_HEADS_BEFORE_LOAD, engine_on_cpu
-    from loader_ranks import TOKENS
+    from support.loader_ranks import TOKENS
 
     from megastart.engines.areal import unwrap_chunk
     from megastart.harness.model import forward_logits
@@ -57,8 +57,8 @@ def _save_value_head(checkpoint: str, out: str) -> None:
 def test_a_critic_loads_its_backbone_through_on_model_load_and_keeps_areals_value_head(
     checkpoint, tmp_path
 ):
-    from loader_ranks import reference_hidden_states
     from megastart_areal_probe import events
+    from support.loader_ranks import reference_hidden_states
 
     log = tmp_path / "events.jsonl"
     with activated_pool({**ENV, "AREAL_PROBE_LOG": str(log)}) as ranks:

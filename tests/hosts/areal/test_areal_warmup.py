@@ -8,7 +8,7 @@ import sys
 
 import pytest
 from areal_cpu import ACTIVATION
-from pyrun import started_with
+from support.pyrun import started_with
 
 from megastart.harness.launch import RankPool
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from pyrun import run_python
+from support.pyrun import run_python
 from verl_configs import HAS_PLUGIN_GROUP
 
 ENGINE = "verl.workers.engine.megatron.transformer_impl"

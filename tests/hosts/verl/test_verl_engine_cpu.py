@@ -16,10 +16,6 @@ import torch
 import verl_bridge_cpu
 import verl_cpu
 from packaging.version import Version
-from pyrun import started_with
-from verl_configs import ACTIVATION
-
-from megastart.harness.launch import RankPool
 
 PROBE_ONLY = {"MEGASTART_BLOCKLIST": "rank0_loader,comm_warmup"}
 
@@ -36,19 +32,6 @@ def why_megatron_bridge_cannot_run() -> str | None:
 
 
 NO_MEGATRON_BRIDGE = why_megatron_bridge_cannot_run()
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("qwen2")
-    verl_cpu.save_tiny_qwen2(path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def pool():
-    with started_with(ACTIVATION), RankPool(verl_cpu.TP, timeout_s=400) as pool:
-        yield pool
 
 
 def test_a_load_report_skips_verls_own_loader(pool, checkpoint):

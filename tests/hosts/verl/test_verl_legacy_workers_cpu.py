@@ -10,29 +10,12 @@ from __future__ import annotations
 import pytest
 import verl_cpu
 import verl_legacy_cpu
-from pyrun import started_with
-from verl_configs import ACTIVATION
-
-from megastart.harness.launch import RankPool
 
 pytest.importorskip("verl.workers.megatron_workers", reason="needs verl 0.7 (legacy workers)")
 
 PROBE_ONLY = {"MEGASTART_BLOCKLIST": "rank0_loader,comm_warmup"}
 LOADERS = {"load_megatron_gptmodel_weights": False, "mbridge": True}
 """verl's two HF branches in the legacy workers -> ``use_mbridge``."""
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("qwen2")
-    verl_legacy_cpu.save_tiny_qwen2_with_tokenizer(path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def pool():
-    with started_with(ACTIVATION), RankPool(verl_legacy_cpu.TP, timeout_s=400) as pool:
-        yield pool
 
 
 @pytest.mark.parametrize("use_mbridge", LOADERS.values(), ids=LOADERS.keys())

@@ -14,15 +14,15 @@ from typing import Any
 
 import pytest
 import torch
-from hostile_ranks import (
+from safetensors.torch import load_file, save_file
+from support.hostile_ranks import (
     load_for_host,
     load_while_replacing_the_checkpoint,
     load_with_few_file_handles,
     load_with_stalled_metadata,
     timed_error,
 )
-from loader_ranks import load_expecting_error
-from safetensors.torch import load_file, save_file
+from support.loader_ranks import load_expecting_error
 
 from megastart.harness.launch import RankPool
 from megastart.loader.checkpoint.files import MAX_OPEN_SHARDS

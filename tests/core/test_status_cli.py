@@ -6,7 +6,7 @@ import json
 from importlib import metadata
 
 import pytest
-from pyrun import run_python
+from support.pyrun import run_python
 
 from megastart.requirements import MEGATRON_CORE_TESTED
 

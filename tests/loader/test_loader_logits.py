@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from loader_ranks import (
+from support.loader_ranks import (
     load_and_forward,
     load_as_nodes,
     load_counting_received_bytes,

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loader_ranks import build, load_expecting_error, megatron, settings
+from support.loader_ranks import build, load_expecting_error, megatron, settings
 
 
 def load_while_replacing_the_checkpoint(checkpoint: str, overrides: dict[str, Any]) -> str:

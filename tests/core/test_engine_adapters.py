@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from textwrap import dedent
 
-from pyrun import run_python
+from support.pyrun import run_python
 
 REPORT = dedent("""
     import json, logging

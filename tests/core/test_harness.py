@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from harness_ranks import reference_copy_logits, shims_during_and_after
+from support.harness_ranks import reference_copy_logits, shims_during_and_after
 
 from megastart.harness.checkpoints import (
     ARCHITECTURES,

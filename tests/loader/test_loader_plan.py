@@ -7,7 +7,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from pyrun import run_python
+from support.pyrun import run_python
 
 from megastart.loader.checkpoint import CheckpointMeta, TensorEntry
 from megastart.loader.mappings import QWEN3, mapping_for

@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 import torch
-from loader_ranks import (
+from safetensors.torch import load_file, save_file
+from support.loader_ranks import (
     load_and_forward,
     load_expecting_error,
     load_for_engine_counting_warnings,
@@ -26,7 +27,6 @@ from loader_ranks import (
     load_with_resolved_settings,
     load_with_stalled_read,
 )
-from safetensors.torch import load_file, save_file
 
 from megastart.harness.launch import RankFailure, RankPool
 from megastart.records import LoadReport
@@ -41,7 +41,7 @@ def pool(rank_pools: dict[int, RankPool]) -> RankPool:
 
 @pytest.fixture(scope="module")
 def original(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.Tensor]:
-    from loader_ranks import reference_logits
+    from support.loader_ranks import reference_logits
 
     from megastart.harness.checkpoints import make_checkpoint
 
@@ -448,7 +448,7 @@ def test_config_without_architectures_resolves_it_from_model_type(
     config.save_pretrained(checkpoint)
     saved = json.loads((checkpoint / "config.json").read_text())
     assert not saved.get("architectures") and saved["model_type"] == "llama"
-    from loader_ranks import reference_logits
+    from support.loader_ranks import reference_logits
 
     assert (
         reference_logits(checkpoint) - original[1]

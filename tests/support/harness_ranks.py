@@ -15,10 +15,9 @@ def reference_copy_logits(
     **config_overrides: Any,
 ) -> torch.Tensor:
     """Build this rank's chunks, copy the HF weights in by the reference copier, forward."""
-    from reference_copy import copy_hf_weights
-
     from megastart.harness.cpu import destroy_megatron, initialize_megatron
     from megastart.harness.model import build_gpt_chunks, forward_logits
+    from support.reference_copy import copy_hf_weights
 
     initialize_megatron(**layout)
     try:

@@ -8,7 +8,7 @@ import json
 from textwrap import dedent
 
 import pytest
-from pyrun import run_python
+from support.pyrun import run_python
 
 DISPATCH = dedent("""
     import json, sys

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from loader_ranks import (
+from support.loader_ranks import (
     load_as_nodes,
     load_seeing_shared_segments,
     load_while_a_rank_dies,

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 import torch
-from loader_ranks import (
+from safetensors.torch import load_file, save_file
+from support.loader_ranks import (
     build,
     load_as_nodes,
     load_expecting_error,
@@ -23,7 +24,6 @@ from loader_ranks import (
     reference_logits,
     settings,
 )
-from safetensors.torch import load_file, save_file
 
 from megastart.loader.checkpoint import CheckpointMeta, read_metadata
 from megastart.loader.experts import global_expert_name
