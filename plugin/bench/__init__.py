@@ -19,6 +19,7 @@ HELP = "benchmarks: megastart against the strategies users have today"
 BENCHMARKS = {
     "loader": "megastart.bench.loader",
     "warmup": "megastart.bench.warmup",
+    "startup": "megastart.bench.startup",
 }
 
 

@@ -11,8 +11,8 @@ time (``module_ms``: for ``megastart.autoload``, all that megastart adds to
 ``import verl``). ``--code`` changes what is run (default ``pass``); ``--env
 NAME=VALUE`` adds a variable to every run. Standard library only::
 
-    python bench/startup.py /venv-without/bin/python /venv-with/bin/python
-    python bench/startup.py --code 'import verl' --module megastart.autoload VENV/bin/python
+    megastart bench startup /venv-without/bin/python /venv-with/bin/python
+    megastart bench startup --code 'import verl' --module megastart.autoload VENV/bin/python
 """
 
 from __future__ import annotations
@@ -77,14 +77,20 @@ def measure(
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+HELP = "what installing megastart costs interpreter start-up and `import verl`"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("python", nargs="+", help="interpreters to measure")
-    parser.add_argument("--code", default="pass")
-    parser.add_argument("--runs", type=int, default=10)
-    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
+    parser.add_argument("--code", default="pass", help="what each run executes (default: pass)")
+    parser.add_argument("--runs", type=int, default=10, help="runs per case; the best is kept")
+    parser.add_argument(
+        "--env", action="append", default=[], metavar="NAME=VALUE", help="add to every run"
+    )
     parser.add_argument("--module", help="also report this module's cumulative import time")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
     extra = dict(item.split("=", 1) for item in args.env)
     report = {
         "code": args.code,
@@ -96,7 +102,4 @@ def main() -> None:
         },
     }
     print(json.dumps(report, indent=2))
-
-
-if __name__ == "__main__":
-    main()
+    return 0
