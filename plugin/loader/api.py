@@ -38,6 +38,7 @@ from megastart.distributed import (
     discard_control,
     kept_control,
 )
+from megastart.errors import SettingsError
 from megastart.loader import pagecache, roles
 from megastart.loader.checkpoint import CheckpointMeta, QuantisedCheckpoint, read_metadata
 from megastart.loader.copier import Copier, copy_threads
@@ -231,7 +232,7 @@ def _load(
     if meta.quantisation is not None:  # never cast without the scales, whatever strict says
         raise meta.quantisation.refusal(checkpoint)
 
-    with phase(f"{PLUGIN}: planning") as planned:
+    with phase(f"{PLUGIN}: mapping this rank's parameters to the checkpoint") as planned:
         params, tensors, shard, needs = local_needs(chunks, meta, table, value_model=value_model)
         device = tensors[next(iter(tensors))].device if tensors else _cpu()
         demands = [(n.hf, n.param.dtype) for n in needs]
@@ -241,7 +242,7 @@ def _load(
     groups = reader_groups(settings.reader, [r.node for r in by_rank])
     group = next(g for g in groups if rank in g)
 
-    with phase(f"{PLUGIN}: planning"):
+    with phase(f"{PLUGIN}: planning the buckets"):
         unused = unused_tensors([r.demands for r in by_rank], meta, table, value_model=value_model)
         if unused and settings.strict:
             raise PlanError(_unused_message(unused, checkpoint, strict=True))
@@ -302,7 +303,7 @@ def _backend(transport: str, device_types: set[str]) -> str:
     if transport == "auto":
         return "nccl" if device_types == {"cuda"} else "gloo"
     if transport == "nccl" and device_types != {"cuda"}:
-        raise PlanError(
+        raise SettingsError(
             f"rank0_loader.transport=nccl needs CUDA parameters on every rank, found {sorted(device_types)}; "
             "use transport=auto or gloo"
         )

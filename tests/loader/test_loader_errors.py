@@ -229,7 +229,10 @@ def test_nccl_transport_needs_cuda_parameters(pool: RankPool, original: Any) -> 
     message = same_on_every_rank(
         pool.run(load_expecting_error, str(original[0]), TP2, {"transport": "nccl"})
     )
-    assert "transport=nccl needs CUDA parameters on every rank, found ['cpu']" in message
+    assert (
+        "SettingsError: rank0_loader.transport=nccl needs CUDA parameters on every rank, found ['cpu']"
+        in message
+    )
 
 
 def loads_like_the_original(pool: RankPool, checkpoint: Path, original: Any) -> None:
