@@ -1,19 +1,16 @@
 """How a rank copies its slices into CUDA parameters: through page-locked chunks, filled on a few threads.
 
 Into CUDA parameters, a copy from pageable memory (a mapping of the files, or
-a strided row-parallel slice of any buffer) runs at the driver's staging rate:
-6.5 to 7 GB/s from one process on an H200 host, 3 GB/s for strided rows. The
-same bytes copied first into page-locked memory reach the GPU at up to 33 GB/s
-(measured there: 4 GB out of the page cache in 0.13 s against 0.60 s, a
-micro-benchmark; the loader at world size 1 went from 0.75 to 0.45 s). So each
-piece goes through :data:`CHUNKS` page-locked chunks of :data:`CHUNK_BYTES`
+a strided row-parallel slice of any buffer) runs at the driver's staging rate,
+several times below what the same bytes reach from page-locked memory
+(docs/performance.md has the figures). So each piece goes through :data:`CHUNKS` page-locked chunks of :data:`CHUNK_BYTES`
 in turn, each filled on a thread of its own (:func:`copy_threads`: a rank
 runs with ``torch.set_num_threads(1)``, torchrun's default, so one thread
 would fill at a single core's rate) while the GPU copies those filled before;
 the dtype conversion, if any, happens in the fill. A contiguous piece
 the caller knows to be page-locked already (the loader's buffers are, with CUDA
-parameters) goes straight; asking CUDA instead (``Tensor.is_pinned``) cost
-about a millisecond a piece there.
+parameters) goes straight; asking CUDA instead (``Tensor.is_pinned``) costs a
+round trip to the driver per piece.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ every ``megastart-loader-`` segment whose creator process is gone
 (:func:`sweep_stale`).
 
 The segment holds a few bucket-sized buffers that are reused for the whole load:
-first touch of fresh shared memory costs about 0.2 s/GB (``../shared/HOSTS.md``),
-so one segment per bucket would cost more than the copies it saves. Space is
+first touch of fresh shared memory costs about as much as a copy of it, so one
+segment per bucket would cost more than the copies it saves. Space is
 reserved with ``posix_fallocate`` when the segment is made, so a ``/dev/shm``
 too small for it is an error naming the size, not a ``SIGBUS`` mid-load.
 """

@@ -34,20 +34,11 @@ from megastart.records import LoadReport
 TP2 = {"tp": 2}
 
 
-@pytest.fixture
-def pool(rank_pools: dict[int, RankPool]) -> RankPool:
-    return rank_pools[2]
-
-
 @pytest.fixture(scope="module")
-def original(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.Tensor]:
+def original(llama: Path) -> tuple[Path, torch.Tensor]:
     from support.loader_ranks import reference_logits
 
-    from megastart.harness.checkpoints import make_checkpoint
-
-    directory = tmp_path_factory.mktemp("llama")
-    make_checkpoint("llama", directory, tie_word_embeddings=False)
-    return directory, reference_logits(directory)
+    return llama, reference_logits(llama)
 
 
 @pytest.fixture

@@ -32,20 +32,6 @@ TP2 = {"tp": 2}
 BLOCK = 128
 
 
-@pytest.fixture
-def pool(rank_pools: dict[int, RankPool]) -> RankPool:
-    return rank_pools[2]
-
-
-@pytest.fixture(scope="module")
-def original(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from megastart.harness.checkpoints import make_checkpoint
-
-    directory = tmp_path_factory.mktemp("llama")
-    make_checkpoint("llama", directory, tie_word_embeddings=False)
-    return directory
-
-
 @pytest.fixture(scope="module")
 def bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A bf16 checkpoint, as DeepSeek-V3's FP8 weights were made from."""
@@ -63,9 +49,9 @@ def quantisable(bf16: Path, tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def checkpoint(original: Path, tmp_path: Path) -> Path:
-    """A copy of the module's checkpoint that a test may damage."""
-    return Path(shutil.copytree(original, tmp_path / "checkpoint"))
+def checkpoint(llama: Path, tmp_path: Path) -> Path:
+    """A copy of the Llama checkpoint that a test may damage."""
+    return Path(shutil.copytree(llama, tmp_path / "checkpoint"))
 
 
 def same_on_every_rank(messages: list[str]) -> str:
@@ -198,7 +184,7 @@ def test_checkpoint_replaced_while_loading_fails_on_every_rank(
 @pytest.mark.parametrize("special", ["shard", "indexed_shard", "config"])
 @pytest.mark.parametrize("route", ROUTES)
 def test_fifo_in_the_checkpoint_is_refused_within_the_timeout(
-    pool: RankPool, checkpoint: Path, original: Path, special: str, route: str
+    pool: RankPool, checkpoint: Path, llama: Path, special: str, route: str
 ) -> None:
     index = checkpoint / "model.safetensors.index.json"
     if special == "config":
@@ -211,7 +197,7 @@ def test_fifo_in_the_checkpoint_is_refused_within_the_timeout(
     fifo.unlink(missing_ok=True)
     os.mkfifo(fifo)
     overrides = {"reader_node": route, "timeout_s": 10.0}
-    results = pool.run(timed_error, str(checkpoint), overrides, str(original))
+    results = pool.run(timed_error, str(checkpoint), overrides, str(llama))
     message = same_on_every_rank([m for m, _ in results])
     assert f"'{fifo}'" in message and "is a FIFO, not a regular file" in message
     assert all(seconds < 10 for _, seconds in results), results
@@ -268,7 +254,7 @@ def test_index_inconsistent_with_its_shards_is_named(
 def test_undecodable_config_and_index_name_the_file_and_the_byte(
     pool: RankPool,
     checkpoint: Path,
-    original: Path,
+    llama: Path,
     file: str,
     damage: bytes,
     expected: str,
@@ -277,7 +263,7 @@ def test_undecodable_config_and_index_name_the_file_and_the_byte(
     (checkpoint / file).write_bytes(damage)
     overrides = {"reader_node": route}
     message = same_on_every_rank(
-        pool.run(load_expecting_error, str(checkpoint), TP2, overrides, str(original))
+        pool.run(load_expecting_error, str(checkpoint), TP2, overrides, str(llama))
     )
     assert f"'{checkpoint / file}'" in message and expected in message
     assert "save_pretrained" in message  # the fix

@@ -7,17 +7,9 @@ from __future__ import annotations
 
 import shutil
 
-import pytest
 from areal_cpu import activated_pool
 
 ENV = {"MEGASTART_BLOCKLIST": "comm_warmup"}
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    from megastart.harness.checkpoints import make_checkpoint
-
-    return str(make_checkpoint("llama", tmp_path_factory.mktemp("hf")))
 
 
 def _critic_values(checkpoint: str) -> dict:

@@ -12,13 +12,6 @@ PROBE_ONLY = {
 }
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    from megastart.harness.checkpoints import make_checkpoint
-
-    return str(make_checkpoint("llama", tmp_path_factory.mktemp("hf")))
-
-
 def _recover_then_step(checkpoint: str, fileroot: str) -> dict:
     from areal_ranks import (
         engine_on_cpu,

@@ -6,18 +6,10 @@ from __future__ import annotations
 import os
 import sys
 
-import pytest
 from areal_cpu import ACTIVATION
 from support.pyrun import started_with
 
 from megastart.harness.launch import RankPool
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    from megastart.harness.checkpoints import make_checkpoint
-
-    return str(make_checkpoint("llama", tmp_path_factory.mktemp("hf")))
 
 
 def pool(env: dict[str, str]) -> RankPool:
