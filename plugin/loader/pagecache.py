@@ -107,6 +107,17 @@ class Window:
             raw = raw.clone()
         return raw.view(dtype).view(slot.shape)
 
+    def resident(self) -> bool:
+        """Whether every slot's pages are in the page cache already (a warm load): then a rank
+        may copy them without waiting for the reader, who reads nothing for them."""
+        for entry in self.entries.values():
+            if entry.end > entry.start:
+                start, data = self._maps[entry.file]
+                first = (entry.start - start) // mmap.PAGESIZE * mmap.PAGESIZE
+                if not _resident(data, first, entry.end - start - first):
+                    return False
+        return True
+
     def populate(self, reader: TensorReader, pool: Executor, part_bytes: int) -> None:
         """Make every slot's pages resident, parts of ``part_bytes`` on ``pool``'s threads at once,
         counted as ``reader``'s reads. A read error (an I/O error, a file truncated under the
@@ -174,10 +185,9 @@ def _read_part(
 def populate(entry: TensorEntry, data: torch.Tensor, offset: int, length: int) -> None:
     """Make ``length`` bytes of ``data`` (a mapping of ``entry``'s file) from ``offset`` on resident."""
     # Through ctypes, which releases the GIL (mmap.madvise holds it): the parts are read in parallel.
-    address = ctypes.c_void_p(data.data_ptr() + offset)
-    pages = (ctypes.c_ubyte * ((length + mmap.PAGESIZE - 1) // mmap.PAGESIZE))()
-    if _libc().mincore(address, ctypes.c_size_t(length), pages) == 0 and 0 not in bytes(pages):
+    if _resident(data, offset, length):
         return  # cached already (a warm start): populating would only fill this process's page tables
+    address = ctypes.c_void_p(data.data_ptr() + offset)
     while _libc().madvise(address, ctypes.c_size_t(length), MADV_POPULATE_READ):
         errno = ctypes.get_errno()
         if errno != EINTR:
@@ -186,6 +196,14 @@ def populate(entry: TensorEntry, data: torch.Tensor, offset: int, length: int) -
                 f"reading tensor {entry.name!r} from {entry.file!r} into the page cache "
                 f"failed: {os.strerror(errno)}",
             )
+
+
+def _resident(data: torch.Tensor, offset: int, length: int) -> bool:
+    """Whether ``length`` bytes of the mapping ``data`` from ``offset`` (page-aligned) are all in
+    the page cache (``mincore``: asks the kernel, reads nothing)."""
+    address = ctypes.c_void_p(data.data_ptr() + offset)
+    pages = (ctypes.c_ubyte * ((length + mmap.PAGESIZE - 1) // mmap.PAGESIZE))()
+    return _libc().mincore(address, ctypes.c_size_t(length), pages) == 0 and 0 not in bytes(pages)
 
 
 class Frontier:

@@ -198,15 +198,19 @@ def take(stream: Stream) -> tuple[int, int]:
 
 
 def take_cached(stream: Stream) -> tuple[int, int]:
-    """A rank of the reader's node that reads no files: once the reader has read a bucket
-    into the page cache, copy this rank's slices out of its own mapping of the files."""
+    """A rank of the reader's node that reads no files: copy this rank's slices out of its own
+    mapping of the files, at once where their pages are in the page cache already (a warm
+    load: every rank of the node copies in parallel, as per-rank slices would), else once
+    the reader has read the bucket into it."""
     with stream.frontier() as frontier:
         assert frontier is not None
         for index, bucket in enumerate(stream.plan.buckets):
             mine = stream.mine(bucket)
             if mine:
-                frontier.wait(index + 1, stream.route.board)
-                stream.apply(index, Window(stream.meta, mine))
+                window = Window(stream.meta, mine)
+                if not window.resident():
+                    frontier.wait(index + 1, stream.route.board)
+                stream.apply(index, window)
     return 0, 0
 
 

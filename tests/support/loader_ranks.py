@@ -82,7 +82,9 @@ def load_and_forward(
         return report, forward_logits(chunks, TOKENS)
 
 
-def load_parameters(checkpoint: str, layout: dict[str, int]) -> tuple[int, dict[str, torch.Tensor]]:
+def load_parameters(
+    checkpoint: str, layout: dict[str, int], overrides: dict[str, Any] | None = None
+) -> tuple[int, dict[str, torch.Tensor]]:
     """This rank's TP rank and its loaded parameters (for layouts Megatron cannot run on CPU)."""
     from megatron.core import parallel_state
 
@@ -90,7 +92,7 @@ def load_parameters(checkpoint: str, layout: dict[str, int]) -> tuple[int, dict[
 
     with megatron(layout):
         chunks = build(checkpoint, context_parallel_size=1)
-        load_hf_checkpoint(chunks, checkpoint, settings=settings())
+        load_hf_checkpoint(chunks, checkpoint, settings=settings(**(overrides or {})))
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         return tp_rank, {n: p.detach().clone() for n, p in chunks[0].named_parameters()}
 
