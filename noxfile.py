@@ -64,7 +64,7 @@ def tests(session: nox.Session) -> None:
 
 MEGATRON_CORES = ("0.17.1", "0.18.2", "0.19.2")
 """The megatron-core releases after the ``tests`` session's 0.16.1 (which runs the whole
-suite); keep in step with ``megastart.requirements.MEGATRON_CORE_TESTED`` and the README."""
+suite); keep in step with ``megastart.requirements.MEGATRON_CORE_TESTED`` and docs/compatibility.md."""
 MEGATRON_SUBSET = (
     # one dense architecture at TP2 x PP2, one MoE at EP2: the parameter names the
     # loader maps come from megatron-core's layer specs

@@ -25,7 +25,7 @@ while they start:
 
 Switch it on:      verl >= 0.9: installed = on (verl.plugins, at `import verl`)
                    any other host: AUTOWRAPT_BOOTSTRAP=megastart.bootstrap in the
-                   workers' environment (README "Install": one line per host)
+                   workers' environment (README "Hosts": one line per host)
 Switch it off:     verl: +megastart=off;  anywhere: MEGASTART_DISABLE=1
 Block one plugin:  verl: +megastart=on megastart.blocklist=[comm_warmup]
                    anywhere: MEGASTART_BLOCKLIST=comm_warmup

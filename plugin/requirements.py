@@ -13,7 +13,7 @@ MEGATRON_CORE_TESTED = "megatron-core>=0.16.1,<0.20"
 """The megatron-core releases CI runs megastart on: 0.16.1 (the ``tests`` nox session),
 0.17.1, 0.18.2 and 0.19.2 (``megatron``). The loader's parameter names and the
 warmup's group table come from megatron-core's layer specs and ``parallel_state``
-getters, which change between releases; keep this, the noxfile and the README's
+getters, which change between releases; keep this, the noxfile and docs/compatibility.md's
 table in step."""
 
 

@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def render_table(results: dict[str, Any]) -> str:
-    """The comparison table (Markdown, so the README can show it as is)."""
+    """The comparison table (Markdown, so docs/performance.md can show it as is)."""
     from megastart.loader.settings import Rank0LoaderSettings
 
     layout = results["layout"]

@@ -15,7 +15,7 @@ Where each hook runs (AReaL 1.0.4):
   ``recover_checkpoint`` directory), before ``update_weights``. In AReaL builds
   whose ``RecoverHandler.load`` has the colocated protocol, that load comes after
   the rollout's pause and offload; in 1.0.4 the colocated offload happens later,
-  in ``PPOTrainer._apply_initial_offload_policy`` (see the README for what to
+  in ``PPOTrainer._apply_initial_offload_policy`` (see docs/hosts/areal.md for what to
   set there).
 - ``pre_first_step`` before the first ``train_batch`` / ``forward_batch`` /
   ``eval_batch``: ``compute_logp`` and ``ppo_update`` (and SFT, reward and DPO

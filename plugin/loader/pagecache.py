@@ -5,7 +5,7 @@ memory the whole node shares once the reader has read them: the page cache.
 Copying them into a shared-memory buffer first and out of it again moves every
 byte twice; here each rank copies its slices straight out of its own
 read-only mapping of the files, the way AReaL's per-rank slices do, and the
-measurements in the README (``megastart bench loader``, both page-cache
+measurements in docs/performance.md (``megastart bench loader``, both page-cache
 states) made this the faster route on that node. Other nodes still receive
 into shared memory (:mod:`megastart.loader.shm`).
 

@@ -25,7 +25,7 @@ class Rank0LoaderSettings:
     """How the other ranks on the reader's node take their slices: ``page_cache``, each
     from its own read-only mapping of the files, once the reader has read a bucket into
     the page cache (one copy per byte; the faster route in ``megastart bench loader``,
-    README); ``shared_memory``, out of shared-memory buffers the reader reads into (two
+    docs/performance.md); ``shared_memory``, out of shared-memory buffers the reader reads into (two
     copies, but the reader's read is all the node's ranks touch). Other nodes always
     receive into shared memory; ``.bin`` checkpoints, and kernels without
     ``MADV_POPULATE_READ`` (before Linux 5.14), always use shared memory."""
