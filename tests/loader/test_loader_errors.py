@@ -513,7 +513,7 @@ def test_a_receiver_failing_mid_stream_is_named_on_every_rank_at_once_and_retrie
         assert "Restart the process" in retry_message
         assert retry_seconds < 0.5
         assert group_sum == 2.0
-        # What the README says is left behind: the failing rank's parameters partly written;
+        # What docs/loader.md says is left behind: the failing rank's parameters partly written;
         # a rank that never waits for it (the reader, from the page cache) may finish its own.
         assert 0 < written < total if rank == 1 else 0 < written <= total, (rank, written, total)
 
