@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 TARGETS = {
@@ -51,13 +51,7 @@ class Layout:
 
     def record(self) -> dict[str, Any]:
         """The layout as the JSON holds it (with the data-parallel size)."""
-        return {
-            "ranks": self.ranks,
-            "tp": self.tp,
-            "pp": self.pp,
-            "vpp": self.vpp,
-            "ep": self.ep,
-        } | {"dp": self.dp}
+        return asdict(self) | {"dp": self.dp}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -149,8 +143,6 @@ class ConditionResult:
 
     def record(self) -> dict[str, Any]:
         """The ``--json`` form."""
-        from dataclasses import asdict
-
         return asdict(self) | {"layout": self.layout.record()}
 
 

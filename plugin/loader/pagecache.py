@@ -29,7 +29,7 @@ import functools
 import mmap
 import os
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Executor
 from errno import EINTR
 from typing import TYPE_CHECKING, Any
@@ -110,29 +110,29 @@ class Window:
     def resident(self) -> bool:
         """Whether every slot's pages are in the page cache already (a warm load): then a rank
         may copy them without waiting for the reader, who reads nothing for them."""
-        for entry in self.entries.values():
-            if entry.end > entry.start:
-                start, data = self._maps[entry.file]
-                first = (entry.start - start) // mmap.PAGESIZE * mmap.PAGESIZE
-                if not _resident(data, first, entry.end - start - first):
-                    return False
-        return True
+        return all(_resident(data, first, end - first) for _, data, first, end in self._pages())
 
     def populate(self, reader: TensorReader, pool: Executor, part_bytes: int) -> None:
         """Make every slot's pages resident, parts of ``part_bytes`` on ``pool``'s threads at once,
         counted as ``reader``'s reads. A read error (an I/O error, a file truncated under the
         load) raises, naming the tensor."""
-        reads = []
+        reads = [
+            pool.submit(_read_part, reader, entry, data, offset, min(part_bytes, end - offset))
+            for entry, data, first, end in self._pages()
+            for offset in range(first, end, part_bytes)
+        ]
+        for read in reads:
+            read.result()
+        reader.count(sum(entry.end - entry.start for entry in self.entries.values()))
+
+    def _pages(self) -> Iterator[tuple[TensorEntry, torch.Tensor, int, int]]:
+        """Each slot that holds bytes, its file's mapping, and the range of the mapping that
+        holds them (from the first page of the slot's bytes to their end)."""
         for entry in self.entries.values():
             if entry.end > entry.start:
                 start, data = self._maps[entry.file]
                 first = (entry.start - start) // mmap.PAGESIZE * mmap.PAGESIZE
-                for offset in range(first, entry.end - start, part_bytes):
-                    length = min(part_bytes, entry.end - start - offset)
-                    reads.append(pool.submit(_read_part, reader, entry, data, offset, length))
-        for read in reads:
-            read.result()
-        reader.count(sum(entry.end - entry.start for entry in self.entries.values()))
+                yield entry, data, first, entry.end - start
 
 
 def map_file(fd: int, offset: int, length: int) -> torch.Tensor:

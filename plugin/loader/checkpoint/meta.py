@@ -142,10 +142,7 @@ def _shard_files(
     level (and no map)."""
     index_path = path / index_name
     if regular_file(index_path, "the checkpoint's index") is None:
-        files = sorted(p.name for p in path.glob(pattern))
-        for file in files:
-            regular_file(path / file, "a shard")
-        return files, None
+        return sorted(p.name for p in path.glob(pattern)), None
     fix = f"write it again with transformers' save_pretrained, or remove it to load every {pattern}"
     weight_map = _weight_map(index_path, _load_json(index_path, "the checkpoint's index", fix), fix)
     files = sorted({_inside(path, index_path, f) for f in weight_map.values()})

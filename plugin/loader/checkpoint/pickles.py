@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from megastart.loader.checkpoint.entries import TensorEntry, add_entry
 from megastart.loader.checkpoint.errors import CheckpointError
-from megastart.loader.checkpoint.files import ShardIdentity, changed, regular_file
+from megastart.loader.checkpoint.files import ShardIdentity, changed, open_regular
 
 if TYPE_CHECKING:
     import torch
@@ -22,9 +22,11 @@ def read_entries(
     entries: dict[str, TensorEntry] = {}
     shards: dict[str, ShardIdentity] = {}
     for file in files:
-        st = regular_file(path / file, "a shard")
-        assert st is not None  # listed because it exists
-        shards[file] = ShardIdentity.of(st)
+        fd = open_regular(path / file, "a shard")
+        try:
+            shards[file] = ShardIdentity.of(os.fstat(fd))
+        finally:
+            os.close(fd)
         for name, tensor in load_bin(path / file, shards[file]).items():
             dtype = str(tensor.dtype).removeprefix("torch.")
             add_entry(entries, TensorEntry(name, file, dtype, tuple(tensor.shape)), path)

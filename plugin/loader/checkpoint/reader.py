@@ -89,8 +89,9 @@ class TensorReader:
             direct = out.dtype == dtype and out.device.type == "cpu"
             target = out if direct else torch.empty(entry.shape, dtype=dtype)
             with self._shards.fd(entry.file) as fd:
-                path = str(Path(self.meta.directory) / entry.file)
-                read_exact(fd, path, entry, target.view(torch.uint8).reshape(-1).numpy())
+                read_exact(
+                    fd, entry, target.view(torch.uint8).reshape(-1).numpy(), self.meta.directory
+                )
             if not direct:
                 out.copy_(target)
         with self._lock:
@@ -105,15 +106,16 @@ class TensorReader:
         return self._bin[1]
 
 
-def read_exact(fd: int, path: str, entry: TensorEntry, out: Any) -> None:
-    """Read ``entry``'s bytes from ``fd`` (the open file ``path``) into the writable buffer ``out``."""
+def read_exact(fd: int, entry: TensorEntry, out: Any, directory: str) -> None:
+    """Read ``entry``'s bytes from ``fd`` (its file, in checkpoint ``directory``) into the
+    writable buffer ``out``."""
     view = memoryview(out).cast("B")
     done = 0
     while done < len(view):
         n = os.preadv(fd, [view[done:]], entry.start + done)
         if n == 0:
             raise CheckpointError(
-                f"{path!r} ended while reading tensor "
+                f"{str(Path(directory) / entry.file)!r} ended while reading tensor "
                 f"{entry.name!r} (byte {entry.start + done} of {entry.end}): the file was truncated "
                 "while loading"
             )
