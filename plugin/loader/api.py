@@ -229,13 +229,16 @@ def _load(
         control=control,
     )
     table = mapping_table(meta)
-    if meta.quantisation is not None:  # never cast without the scales, whatever strict says
-        raise meta.quantisation.refusal(checkpoint)
+    quantisation = meta.quantisation
+    if quantisation is not None and quantisation.weight_block is None:
+        raise quantisation.refusal(
+            checkpoint
+        )  # never cast without the scales, whatever strict says
 
     with phase(f"{PLUGIN}: mapping this rank's parameters to the checkpoint") as planned:
         params, tensors, shard, needs = local_needs(chunks, meta, table, value_model=value_model)
         device = tensors[next(iter(tensors))].device if tensors else _cpu()
-        demands = [(n.hf, n.param.dtype) for n in needs]
+        demands = [demand for need in needs for demand in need.demands()]
         left = [p.name for p in left_to_host(params, needs)]
         planned.share(RankDemands(node_key(), demands, device.type, left, pagecache.supported()))
     by_rank: list[RankDemands] = planned.shared

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from megastart.errors import PlanError
-from megastart.loader.checkpoint import ITEMSIZE, CheckpointMeta, TensorEntry
+from megastart.loader.checkpoint import ITEMSIZE, SCALE_SUFFIX, CheckpointMeta, TensorEntry
 from megastart.loader.mappings import VALUE_HEAD, VALUE_MODEL_UNCHECKED, MappingTable
 from megastart.loader.transforms import TRANSFORMS, Rows, Shard
 
@@ -51,6 +52,26 @@ class Need:
     param: ParamInfo
     hf: tuple[str, ...]
     transform: str
+    scales: tuple[str, ...] = ()
+    """Per input of ``hf``, its FP8 block scales (``""``: none); empty where no input has any
+    (:mod:`megastart.loader.dequantise`)."""
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """Every checkpoint tensor the need takes: its inputs, then their scales."""
+        return self.hf + tuple(s for s in self.scales if s)
+
+    def demands(self) -> list[Demand]:
+        """What it asks the stream for: scaled inputs and their scales travel as stored."""
+        if not self.scales:
+            return [(self.hf, self.param.dtype)]
+        plain = tuple(n for n, s in zip(self.hf, self.scales, strict=True) if not s)
+        stored = tuple(n for n in self.inputs if n not in plain)
+        return [
+            (names, dtype)
+            for names, dtype in ((plain, self.param.dtype), (stored, AS_STORED))
+            if names
+        ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,11 +206,22 @@ def resolve_needs(
                 f"shape mismatch: {problem} for {param.describe()} "
                 f"(tensor-parallel rank {shard.tp_rank} of {shard.tp_size})"
             )
-        needs.append(Need(param, hf, rule.transform))
+        needs.append(Need(param, hf, rule.transform, _scales(hf, meta)))
     if problems:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
         raise PlanError("; ".join(problems[:5]) + more)
     return needs
+
+
+def _scales(hf: tuple[str, ...], meta: CheckpointMeta) -> tuple[str, ...]:
+    """The block scales of each of ``hf`` in a checkpoint the loader dequantises (``""``: a
+    tensor without), or ``()`` where none has any."""
+    if meta.quantisation is None or meta.quantisation.weight_block is None:
+        return ()
+    scales = tuple(
+        n + SCALE_SUFFIX if meta.tensors[n].dtype.startswith("float8") else "" for n in hf
+    )
+    return scales if any(scales) else ()
 
 
 def value_head_source(param: ParamInfo, table: MappingTable, meta: CheckpointMeta) -> str | None:
@@ -214,7 +246,12 @@ def left_to_host(params: Sequence[ParamInfo], needs: Sequence[Need]) -> list[Par
 
 
 Demand = tuple[tuple[str, ...], str]
-"""What one need asks the stream for: the HF tensors and the parameter dtype."""
+"""What one need asks the stream for: the HF tensors and the dtype they travel in
+(the parameter's, or :data:`AS_STORED`)."""
+
+AS_STORED = "stored"
+"""A demand's dtype for tensors that travel as the checkpoint stores them (FP8 weights and
+their scales, which the receiving rank dequantises)."""
 
 
 def unused_tensors(
@@ -254,8 +291,9 @@ def build_plan(
     dtypes, members = _consumers(demands_by_rank)
     buckets: list[Bucket] = []
     open_buckets: dict[tuple[int, ...], tuple[list[Slot], int]] = {}
-    for entry in sorted((meta.tensors[name] for name in dtypes), key=_file_order):
-        wanted = dtypes[entry.name]
+    order = partial(_stream_order, meta)
+    for entry in sorted((meta.tensors[name] for name in dtypes), key=order):
+        wanted = {entry.dtype if d == AS_STORED else d for d in dtypes[entry.name]}
         dtype = next(iter(wanted)) if len(wanted) == 1 else entry.dtype
         ranks = members[entry.name]
         for rows in _row_blocks(entry, ITEMSIZE[dtype], bucket_bytes):
@@ -301,8 +339,13 @@ def _row_blocks(entry: TensorEntry, itemsize: int, bucket_bytes: int) -> list[Ro
     return [Rows(i, min(i + per_block, total), total) for i in range(0, total, per_block)]
 
 
-def _file_order(entry: TensorEntry) -> tuple[str, int, str]:
-    return entry.file, entry.start, entry.name
+def _stream_order(meta: CheckpointMeta, entry: TensorEntry) -> tuple[str, int, int, str]:
+    """By file and offset; an FP8 weight's scales just before it (its receivers
+    dequantise each of its rows as they arrive)."""
+    weight = meta.tensors.get(entry.name.removesuffix(SCALE_SUFFIX))
+    if entry.name.endswith(SCALE_SUFFIX) and weight is not None:
+        return weight.file, weight.start, 0, entry.name
+    return entry.file, entry.start, 1, entry.name
 
 
 def _aligned(nbytes: int) -> int:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from megastart.loader.checkpoint import CheckpointMeta
 from megastart.loader.copier import Copier
+from megastart.loader.dequantise import BlockScaled
 from megastart.loader.pagecache import Frontier
 from megastart.loader.plan import Bucket, Need, Plan, Slot
 from megastart.loader.route import Route
@@ -67,8 +68,10 @@ class Stream:
         self.consumers: dict[str, list[tuple[Need, int]]] = {}
         """HF tensor name -> this rank's needs that take it, and as which input."""
         for need in needs:
-            for index, name in enumerate(need.hf):
+            for index, name in enumerate(need.inputs):
                 self.consumers.setdefault(name, []).append((need, index))
+        self.scales: dict[str, torch.Tensor] = {}
+        """FP8 block scales received so far, by name (each arrives before its weight)."""
         self.local = route.local_buckets(plan)
         """The buckets announced inside this rank's node, in order."""
         self._announced = 0
@@ -184,16 +187,41 @@ class Stream:
         with torch.no_grad(), self.copier.batch():
             for slot in self.plan.buckets[index].slots:
                 for need, input_index in self.consumers.get(slot.name, ()):
+                    if input_index >= len(need.hf):  # an FP8 weight's scales: kept for it
+                        self._keep_scale(slot, source.view(slot))
+                        continue
                     param = self.tensors[(need.param.chunk, need.param.local_name)]
+                    held: Any = source.view(slot)
+                    scale = need.scales[input_index] if need.scales else ""
+                    if scale:
+                        held = BlockScaled(
+                            held, self.scales[scale], self.block, param.dtype, slot.rows.start
+                        )
                     for first, stop, piece in TRANSFORMS[need.transform].blocks(
-                        input_index,
-                        source.view(slot),
-                        slot.rows,
-                        need.param.shape,
-                        self.shard,
+                        input_index, held, slot.rows, need.param.shape, self.shard
                     ):
-                        self.copier.copy(param.data[first:stop], piece, source.page_locked)
+                        if scale:
+                            piece, locked = piece.dequantised(), False
+                        else:
+                            locked = source.page_locked
+                        self.copier.copy(param.data[first:stop], piece, locked)
                         self.coverage.record(need.param, first, stop)
+
+    @property
+    def block(self) -> tuple[int, int]:
+        """The checkpoint's FP8 scale block (rows, columns)."""
+        quantisation = self.meta.quantisation
+        assert quantisation is not None and quantisation.weight_block is not None
+        return quantisation.weight_block
+
+    def _keep_scale(self, slot: Slot, rows: torch.Tensor) -> None:
+        import torch
+
+        scale = self.scales.get(slot.name)
+        if scale is None:
+            shape = self.meta.tensors[slot.name].shape
+            scale = self.scales[slot.name] = torch.empty(shape, dtype=torch.float32)
+        scale[slot.rows.start : slot.rows.stop] = rows
 
 
 class Source(Protocol):

@@ -6,15 +6,12 @@ whole to the host), naming the file and the fix, on both of the reader node's ro
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from support.hostile_ranks import (
     load_for_host,
     load_while_replacing_the_checkpoint,
@@ -23,13 +20,13 @@ from support.hostile_ranks import (
     timed_error,
 )
 from support.loader_ranks import load_expecting_error
+from support.quantise import quantise_fp8, rewrite_shards
 
 from megastart.harness.launch import RankPool
 from megastart.loader.checkpoint.files import MAX_OPEN_SHARDS
 
 ROUTES = ("page_cache", "shared_memory")
 TP2 = {"tp": 2}
-BLOCK = 128
 
 
 @pytest.fixture(scope="module")
@@ -60,38 +57,6 @@ def same_on_every_rank(messages: list[str]) -> str:
     return messages[0]
 
 
-def rewrite_shards(directory: Path, edit: Any) -> None:
-    """Apply ``edit(tensors)`` to every shard; keep the index in step."""
-    index_path = directory / "model.safetensors.index.json"
-    index = json.loads(index_path.read_text())
-    weight_map = {}
-    for shard in sorted({*index["weight_map"].values()}):
-        tensors = load_file(directory / shard)
-        edit(tensors)
-        save_file(tensors, directory / shard, metadata={"format": "pt"})
-        weight_map |= dict.fromkeys(tensors, shard)
-    index_path.write_text(json.dumps({**index, "weight_map": weight_map}))
-
-
-def fp8_block_scaled(tensors: dict[str, torch.Tensor]) -> None:
-    """DeepSeek-V3's format: each projection as float8_e4m3fn with a float32
-    ``weight_scale_inv`` per 128x128 block (the block's absolute maximum / 448)."""
-    for name in [n for n in tensors if n.endswith("_proj.weight")]:
-        weight = tensors[name].float()
-        rows, cols = weight.shape
-        scales = torch.empty(math.ceil(rows / BLOCK), math.ceil(cols / BLOCK))
-        quantised = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
-        for i in range(scales.shape[0]):
-            for j in range(scales.shape[1]):
-                block = weight[i * BLOCK : (i + 1) * BLOCK, j * BLOCK : (j + 1) * BLOCK]
-                scales[i, j] = block.abs().max() / torch.finfo(torch.float8_e4m3fn).max
-                quantised[i * BLOCK : (i + 1) * BLOCK, j * BLOCK : (j + 1) * BLOCK] = (
-                    block / scales[i, j]
-                ).to(torch.float8_e4m3fn)
-        tensors[name] = quantised
-        tensors[f"{name}_scale_inv"] = scales
-
-
 def gptq_packed(tensors: dict[str, torch.Tensor]) -> None:
     """GPTQ's format for one projection: packed int32 ``qweight``, ``qzeros``, ``scales``, ``g_idx``."""
     name = "model.layers.0.mlp.up_proj"
@@ -105,16 +70,16 @@ def gptq_packed(tensors: dict[str, torch.Tensor]) -> None:
 
 
 def quantise(directory: Path, form: str) -> None:
-    rewrite_shards(directory, gptq_packed if form == "gptq" else fp8_block_scaled)
+    """``fp8``: DeepSeek-V3's format without ``weight_block_size`` (the loader cannot tell the
+    blocks); ``fp8_tensors_only``: its tensors without any ``quantization_config``; ``gptq``."""
+    if form == "gptq":
+        rewrite_shards(directory, gptq_packed)
+        return
+    quantise_fp8(directory, config=form == "fp8")
     if form == "fp8":
         config_path = directory / "config.json"
         config = json.loads(config_path.read_text())
-        config["quantization_config"] = {
-            "quant_method": "fp8",
-            "fmt": "e4m3",
-            "activation_scheme": "dynamic",
-            "weight_block_size": [BLOCK, BLOCK],
-        }
+        del config["quantization_config"]["weight_block_size"]
         config_path.write_text(json.dumps(config))
 
 

@@ -26,13 +26,14 @@ from megastart.loader.checkpoint.meta import (
     read_metadata,
     resolve_architectures,
 )
-from megastart.loader.checkpoint.quantised import Quantisation, QuantisedCheckpoint
+from megastart.loader.checkpoint.quantised import SCALE_SUFFIX, Quantisation, QuantisedCheckpoint
 from megastart.loader.checkpoint.reader import TensorReader, read_exact
 
 __all__ = [
     "BIN_INDEX",
     "ITEMSIZE",
     "SAFETENSORS_INDEX",
+    "SCALE_SUFFIX",
     "CheckpointError",
     "CheckpointMeta",
     "Quantisation",

@@ -69,7 +69,7 @@ def read_metadata(directory: str | os.PathLike[str], *, allow_pickle: bool) -> C
             )
         tensors, shards = pickles.read_entries(path, files)
         form = "bin"
-    quantisation = find_quantisation(config, {n: e.dtype for n, e in tensors.items()})
+    quantisation = find_quantisation(config, {n: (e.dtype, e.shape) for n, e in tensors.items()})
     return CheckpointMeta(str(path), config, tensors, form, architectures, shards, quantisation)
 
 

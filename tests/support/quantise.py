@@ -1,0 +1,94 @@
+"""Quantised copies of a test checkpoint, made as the hub's quantised models are made.
+
+:func:`fp8_block_scaled` writes DeepSeek-V3's format (each projection as
+``float8_e4m3fn`` with a float32 ``weight_scale_inv`` per block: the block's
+absolute maximum / 448); :func:`dequantised` is the reference every FP8 load is
+compared with: the float32 weight times its block's scale, rounded once to the
+model's dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+DEEPSEEK_BLOCK = (128, 128)
+FP8 = torch.float8_e4m3fn
+
+
+def rewrite_shards(directory: Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    """Apply ``edit(tensors)`` to every shard; keep the index in step."""
+    index_path = directory / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    weight_map = {}
+    for shard in sorted({*index["weight_map"].values()}):
+        tensors = load_file(directory / shard)
+        edit(tensors)
+        save_file(tensors, directory / shard, metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(tensors, shard)
+    index_path.write_text(json.dumps({**index, "weight_map": weight_map}))
+
+
+def is_projection(name: str) -> bool:
+    """The tensors DeepSeek-V3 stores in FP8: every linear layer's weight but the router's."""
+    return name.endswith("_proj.weight") or name.endswith("_proj_with_mqa.weight")
+
+
+def fp8_block_scaled(
+    tensors: dict[str, torch.Tensor], block: tuple[int, int] = DEEPSEEK_BLOCK
+) -> None:
+    """Each projection of ``tensors`` as FP8 with its ``weight_scale_inv``, in place."""
+    rows_per, cols_per = block
+    for name in [n for n in tensors if is_projection(n)]:
+        weight = tensors[name].float()
+        rows, cols = weight.shape
+        scales = torch.empty(math.ceil(rows / rows_per), math.ceil(cols / cols_per))
+        quantised = torch.empty(rows, cols, dtype=FP8)
+        for i in range(scales.shape[0]):
+            for j in range(scales.shape[1]):
+                part = (
+                    slice(i * rows_per, (i + 1) * rows_per),
+                    slice(j * cols_per, (j + 1) * cols_per),
+                )
+                scales[i, j] = weight[part].abs().max() / torch.finfo(FP8).max
+                quantised[part] = (weight[part] / scales[i, j]).to(FP8)
+        tensors[name] = quantised
+        tensors[f"{name}_scale_inv"] = scales
+
+
+def quantise_fp8(
+    directory: Path, block: tuple[int, int] = DEEPSEEK_BLOCK, *, config: bool = True
+) -> None:
+    """Make the checkpoint in ``directory`` FP8 block-scaled, with DeepSeek-V3's
+    ``quantization_config`` (``config=False``: the tensors alone show it)."""
+    rewrite_shards(directory, lambda tensors: fp8_block_scaled(tensors, block))
+    if config:
+        config_path = directory / "config.json"
+        settings = json.loads(config_path.read_text())
+        settings["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": list(block),
+        }
+        config_path.write_text(json.dumps(settings))
+
+
+def dequantised(
+    tensors: dict[str, torch.Tensor], block: tuple[int, int], dtype: torch.dtype
+) -> None:
+    """The reference, in place: each FP8 weight times its block's scale in float32, rounded
+    once to ``dtype``; every other tensor in ``dtype``; the scales gone."""
+    for name in [n for n in tensors if n.endswith("_scale_inv")]:
+        scales = tensors.pop(name)
+        weight = name.removesuffix("_scale_inv")
+        expanded = scales.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+        rows, cols = tensors[weight].shape
+        tensors[weight] = (tensors[weight].float() * expanded[:rows, :cols]).to(dtype)
+    for name, tensor in tensors.items():
+        tensors[name] = tensor.to(dtype)
