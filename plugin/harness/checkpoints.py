@@ -28,6 +28,8 @@ ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
 }
 """The ``model_type`` of each supported architecture and its transformers class."""
 
@@ -60,7 +62,19 @@ def small_config(
         fields.update(head_dim=16)
     if arch == "mistral":
         fields.update(sliding_window=None)
-    fields.update(_moe_fields(arch, fields["hidden_size"], experts=4))
+    if arch == "deepseek_v3":  # MLA, with a low-rank query (q_lora_rank=None: a plain one)
+        fields.update(
+            num_key_value_heads=8,
+            q_lora_rank=48,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+        )
+    if arch == "glm4_moe":  # as GLM-4.5: biased q/k/v, Q/K norms, rotary on half of each head
+        fields.update(head_dim=16, attention_bias=True, use_qk_norm=True)
+    experts = 8 if arch in ("deepseek_v3", "glm4_moe") else 4
+    fields.update(_moe_fields(arch, fields["hidden_size"], experts=experts))
     return _config(arch, tie_word_embeddings=tie_word_embeddings, **{**fields, **overrides})
 
 
@@ -184,6 +198,18 @@ def _moe_fields(arch: str, hidden: int, *, experts: int) -> dict[str, Any]:
             moe_intermediate_size=hidden // 2,
             norm_topk_prob=True,
         )
+    if arch in ("deepseek_v3", "glm4_moe"):  # sigmoid routing in 2 groups, first layer dense
+        return dict(
+            n_routed_experts=experts,
+            num_experts_per_tok=2,
+            moe_intermediate_size=hidden // 2,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+        )
     if arch == "qwen2_moe":  # as Qwen1.5-MoE: plain top-k of the softmax, gated shared expert
         return dict(
             num_experts=experts,
@@ -209,7 +235,10 @@ def _randomize(model: Any, seed: int) -> None:
                 param.copy_(noise.mul_(0.1).add_(1))
             else:
                 param.copy_(noise.mul_(0.1))
-        # Buffers (rotary inverse frequencies) are computed at construction: leave them.
+        for name, buffer in model.named_buffers():  # DeepSeek's router bias is model state
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=generator).mul_(0.1))
+        # Other buffers (rotary inverse frequencies) are computed at construction: leave them.
     model.tie_weights()
     model.eval()
 

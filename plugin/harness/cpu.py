@@ -21,6 +21,9 @@ only; library code must never rely on them:
 - ``megatron.core.transformer.moe.moe_utils.te_general_gemm = None``: without
   Transformer Engine, megatron-core 0.16 would still route the MoE router's
   GEMM through it.
+- ``megatron.core.transformer.multi_latent_attention.HAVE_TE = False`` where its
+  Transformer Engine is not installed: multi-latent attention would test its
+  layers against TE's placeholder classes.
 
 :func:`destroy_megatron` undoes everything, so the same pool can run another
 layout next.
@@ -132,6 +135,8 @@ def _process_groups() -> set[Any]:
 
 
 def _apply_shims() -> None:
+    import importlib.util
+
     import torch
     from megatron.core.transformer.moe import moe_utils
 
@@ -140,6 +145,12 @@ def _apply_shims() -> None:
     # megatron-core 0.16 defines this name only when Transformer Engine imports, yet the
     # router's GEMM reads it unconditionally (NameError without TE).
     _patch(moe_utils, "te_general_gemm", None)
+    # Multi-latent attention counts Transformer Engine as present when megatron-core's TE
+    # extension module imports, which it does without TE (its classes are placeholders).
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        _patch(mla, "HAVE_TE", False)
 
 
 _ABSENT = object()

@@ -21,7 +21,20 @@ if TYPE_CHECKING:
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
 """Megatron-LM's default: the embedding is padded to a multiple of this times TP."""
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "deepseek_v3",
+    "glm4_moe",
+)
+
+MLA_MODEL_TYPES = ("deepseek_v3",)
+"""Models with multi-latent attention, built with :class:`megastart.harness.attention.CausalAttention`."""
 
 
 def build_gpt_chunks(
@@ -67,11 +80,17 @@ def build_gpt_chunks(
     chunks = []
     for vp_stage in range(vpp_size or 1):
         stage = None if vpp_size is None else vp_stage
+        spec = get_gpt_decoder_block_spec(
+            config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=stage
+        )
+        if config.multi_latent_attention:
+            from megastart.harness.attention import CausalAttention
+
+            for layer in spec.layer_specs:
+                layer.submodules.self_attention.submodules.core_attention = CausalAttention
         chunk = GPTModel(
             config=config,
-            transformer_layer_spec=get_gpt_decoder_block_spec(
-                config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=stage
-            ),
+            transformer_layer_spec=spec,
             vocab_size=padded_vocab_size(hf_config.vocab_size),
             max_sequence_length=hf_config.max_position_embeddings,
             pre_process=pp_rank == 0 and vp_stage == 0,
@@ -79,6 +98,7 @@ def build_gpt_chunks(
             share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
             position_embedding_type="rope",
             rotary_base=rope_theta(hf_config),
+            rotary_percent=rotary_percent(hf_config),
             vp_stage=stage,
         )
         chunk.hf_config = hf_config  # what forward_logits and loaders map back to
@@ -92,6 +112,16 @@ def padded_vocab_size(vocab_size: int) -> int:
 
     multiple = MAKE_VOCAB_SIZE_DIVISIBLE_BY * parallel_state.get_tensor_model_parallel_world_size()
     return -(-vocab_size // multiple) * multiple
+
+
+def rotary_percent(hf_config: Any) -> float:
+    """The share of each head's dims that rotary embeddings turn (GLM-4.5: half)."""
+    parameters = getattr(hf_config, "rope_parameters", None) or {}
+    return float(
+        parameters.get("partial_rotary_factor")
+        or getattr(hf_config, "partial_rotary_factor", None)
+        or 1.0
+    )
 
 
 def rope_theta(hf_config: Any) -> float:
@@ -131,13 +161,30 @@ def transformer_config(hf_config: Any, *, dtype: torch.dtype) -> TransformerConf
         )
     if hf_config.hidden_act != "silu":
         raise NotImplementedError(f"{model_type}: hidden_act {hf_config.hidden_act!r} (only silu)")
-    if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
+    biased = getattr(hf_config, "attention_bias", False) and model_type != "glm4_moe"
+    if biased or getattr(hf_config, "mlp_bias", False):
         raise NotImplementedError(
             f"{model_type}: attention_bias/mlp_bias add an o_proj/MLP bias, "
             "which the CPU demo model does not build"
         )
     heads = hf_config.num_attention_heads
-    return TransformerConfig(
+    config_class: Any = TransformerConfig
+    mla: dict[str, Any] = {}
+    if model_type in MLA_MODEL_TYPES:
+        from megatron.core.transformer import MLATransformerConfig
+
+        config_class = MLATransformerConfig
+        mla = dict(
+            q_lora_rank=hf_config.q_lora_rank,
+            kv_lora_rank=hf_config.kv_lora_rank,
+            qk_head_dim=hf_config.qk_nope_head_dim,
+            qk_pos_emb_head_dim=hf_config.qk_rope_head_dim,
+            v_head_dim=hf_config.v_head_dim,
+            rope_type="rope",
+            rotary_base=rope_theta(hf_config),
+            rotary_scaling_factor=1.0,
+        )
+    return config_class(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
         ffn_hidden_size=hf_config.intermediate_size,
@@ -150,7 +197,7 @@ def transformer_config(hf_config: Any, *, dtype: torch.dtype) -> TransformerConf
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=_has_qkv_bias(hf_config),
-        qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
+        qk_layernorm=_has_qk_norm(hf_config),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         masked_softmax_fusion=False,
@@ -173,17 +220,31 @@ def transformer_config(hf_config: Any, *, dtype: torch.dtype) -> TransformerConf
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
         expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
         **_moe_fields(hf_config),
+        **mla,
     )
 
 
 def _has_qkv_bias(hf_config: Any) -> bool:
     if hf_config.model_type == "qwen2":  # always biased: the config has no switch
         return True
+    if hf_config.model_type == "glm4_moe":  # q/k/v biased, o_proj not
+        return bool(hf_config.attention_bias)
     return bool(getattr(hf_config, "qkv_bias", False))
+
+
+def _has_qk_norm(hf_config: Any) -> bool:
+    """Q/K norms (Qwen3; GLM-4.5 with ``use_qk_norm``); MLA's norms of the latents use the
+    same switch in Megatron."""
+    model_type = hf_config.model_type
+    if model_type == "glm4_moe":
+        return bool(hf_config.use_qk_norm)
+    return model_type in ("qwen3", "qwen3_moe", *MLA_MODEL_TYPES)
 
 
 def _moe_fields(hf_config: Any) -> dict[str, Any]:
     """TransformerConfig's MoE fields: sequential experts, allgather dispatch, HF's routing."""
+    if hasattr(hf_config, "n_routed_experts"):
+        return _sigmoid_moe_fields(hf_config)
     experts = getattr(hf_config, "num_experts", None) or getattr(
         hf_config, "num_local_experts", None
     )
@@ -214,6 +275,31 @@ def _moe_fields(hf_config: Any) -> dict[str, Any]:
     if shared:
         fields.update(moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True)
     return fields
+
+
+def _sigmoid_moe_fields(hf_config: Any) -> dict[str, Any]:
+    """DeepSeek-V3 and GLM-4.5's MoE: a sigmoid router with an expert bias, routing within the
+    best groups, renormalised top-k times ``routed_scaling_factor``, always-on shared experts,
+    the first ``first_k_dense_replace`` layers dense."""
+    dense = hf_config.first_k_dense_replace
+    return dict(
+        num_moe_experts=hf_config.n_routed_experts,
+        moe_router_topk=hf_config.num_experts_per_tok,
+        moe_ffn_hidden_size=hf_config.moe_intermediate_size,
+        moe_layer_freq=[int(i >= dense) for i in range(hf_config.num_hidden_layers)],
+        moe_shared_expert_intermediate_size=(
+            hf_config.moe_intermediate_size * hf_config.n_shared_experts
+        ),
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_topk_scaling_factor=hf_config.routed_scaling_factor,
+        moe_router_num_groups=hf_config.n_group,
+        moe_router_group_topk=hf_config.topk_group,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_grouped_gemm=False,
+        moe_token_dispatcher_type="allgather",
+    )
 
 
 def forward_logits(

@@ -80,12 +80,22 @@ def _local_params(chunks: list[Any]) -> tuple[list[ParamInfo], dict[tuple[int, s
         layers = getattr(decoder, "layers", [])
         global_layer = {str(i): str(layer.layer_number - 1) for i, layer in enumerate(layers)}
         first_expert = first_local_expert(_megatron_config(chunk))
-        for name, tensor in chunk.named_parameters():
+        for name, tensor in (*chunk.named_parameters(), *_loaded_buffers(chunk)):
             canonical = global_expert_name(_canonical(name, global_layer), first_expert)
             dtype = str(tensor.dtype).removeprefix("torch.")
             params.append(ParamInfo(index, name, canonical, tuple(tensor.shape), dtype))
             tensors[(index, name)] = tensor
     return params, tensors
+
+
+LOADED_BUFFERS = ("mlp.router.expert_bias",)
+"""Buffers that are model state from the checkpoint, loaded as parameters are: the router's
+expert bias (DeepSeek-V3's ``e_score_correction_bias``), which Megatron keeps as a buffer
+because the optimiser does not update it."""
+
+
+def _loaded_buffers(chunk: Any) -> list[tuple[str, torch.Tensor]]:
+    return [(n, b) for n, b in chunk.named_buffers() if n.endswith(LOADED_BUFFERS)]
 
 
 def _canonical(name: str, global_layer: dict[str, str]) -> str:

@@ -266,7 +266,9 @@ def unused_tensors(
     consumed = {name for demands in demands_by_rank for names, _ in demands for name in names}
     if value_model:
         consumed.update(table.value_head_sources)
-    return sorted(n for n in meta.tensors if n not in consumed and not table.is_ignored(n))
+    return sorted(
+        n for n in meta.tensors if n not in consumed and not table.is_ignored(n, meta.config)
+    )
 
 
 def build_plan(

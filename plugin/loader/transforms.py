@@ -131,6 +131,24 @@ class RowParallel(_RowBlocks):
         return _place(source, rows, 0, rows.total, 0, cols)
 
 
+class ColumnParallel(_RowBlocks):
+    """Megatron's column-parallel layers split the output dim (0) into TP row blocks; a layer
+    held whole on every rank (Transformer Engine's duplicated MLA down projections) takes it all."""
+
+    def check(self, hf: Sequence[Named], local: Shape, shard: Shard) -> list[str]:
+        ((_, got),) = hf
+        if tuple(got) == tuple(local):
+            return []
+        return _expect(hf, [(local[0] * shard.tp_size, *local[1:])])
+
+    def blocks(
+        self, index: int, source: torch.Tensor, rows: Rows, local: Shape, shard: Shard
+    ) -> Iterator[Piece]:
+        n = local[0]
+        first = 0 if n == rows.total else shard.tp_rank * n
+        return _place(source, rows, first, first + n, 0)
+
+
 class Vocab(_RowBlocks):
     """Embedding / output rows: the padded vocabulary split along dim 0; padded rows are zero.
 
@@ -238,6 +256,7 @@ def _expert_shard(shard: Shard) -> Shard:
 TRANSFORMS: dict[str, Transform] = {
     "replicated": Replicated(),
     "row_parallel": RowParallel(),
+    "column_parallel": ColumnParallel(),
     "vocab": Vocab(),
     "gate_up": GateUp(),
     "qkv": Qkv(),

@@ -1,6 +1,7 @@
 """The built-in mapping tables, one module per architecture family; the data types in
 :mod:`.table`, what families share in :mod:`.decoder` and :mod:`.moe`."""
 
+from megastart.loader.archs.deepseek import DEEPSEEK_V3, GLM4_MOE
 from megastart.loader.archs.llama import LLAMA, MISTRAL
 from megastart.loader.archs.mixtral import MIXTRAL
 from megastart.loader.archs.qwen import QWEN2, QWEN2_MOE, QWEN3, QWEN3_MOE
@@ -14,6 +15,8 @@ BUILTIN_TABLES: tuple[MappingTable, ...] = (
     QWEN3_MOE,
     QWEN2_MOE,
     MIXTRAL,
+    DEEPSEEK_V3,
+    GLM4_MOE,
 )
 
 __all__ = ["BUILTIN_TABLES"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 VALUE_HEAD = "output_layer."
 """Canonical name prefix of a value model's head: Megatron's ``output_layer`` with one output."""
@@ -65,6 +66,10 @@ class MappingTable:
     used for configs without ``architectures`` when ``transformers`` is not installed."""
     value_head_sources: tuple[str, ...] = VALUE_HEAD_SOURCES
     """HF tensors a value model's head may come from, in order of preference."""
+    extra_layers_key: str = ""
+    """The ``config.json`` key counting layers stored after the decoder's
+    (``model.layers.{num_hidden_layers}`` on: DeepSeek-V3's multi-token prediction), which
+    a model without them leaves unread; ``""``: none."""
 
     _compiled: list[tuple[re.Pattern[str], Rule]] = field(
         default_factory=list, compare=False, repr=False
@@ -84,8 +89,18 @@ class MappingTable:
         names = rule.hf_if_tied if tied and rule.hf_if_tied else rule.hf
         return tuple(n.format(**fields) for n in names)
 
-    def is_ignored(self, hf_name: str) -> bool:
-        return any(re.fullmatch(p, hf_name) for p in self.ignored)
+    def is_ignored(self, hf_name: str, config: dict[str, Any] | None = None) -> bool:
+        """Whether ``hf_name`` is expected in checkpoints yet feeds no parameter: an ``ignored``
+        tensor, or one of the extra layers when ``config`` is given (and no parameter took it)."""
+        if any(re.fullmatch(p, hf_name) for p in self.ignored):
+            return True
+        if not (self.extra_layers_key and config and config.get(self.extra_layers_key)):
+            return False
+        found = _HF_LAYER.match(hf_name)
+        return found is not None and int(found[1]) >= int(config.get("num_hidden_layers", 0))
+
+
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def _pattern(template: str) -> re.Pattern[str]:

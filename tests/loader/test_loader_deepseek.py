@@ -1,0 +1,120 @@
+"""DeepSeek-V3 (and Kimi-K2, DeepSeek-R1: the same layout) and GLM-4.5 from the built-in
+tables: the loaded Megatron model's logits equal the ``transformers`` model's in every
+layout; the multi-token-prediction layers a hub checkpoint holds are left unread by a model
+without them; and DeepSeek's FP8 release format loads as its block dequantisation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from support.loader_ranks import load_as_nodes, load_parameters, reference_logits
+from support.quantise import rewrite_shards
+from test_loader_fp8 import assert_same_parameters, fp8_and_reference
+
+from megastart.harness.launch import RankPool
+
+LAYOUTS: dict[str, tuple[int, dict[str, int]]] = {
+    "tp2": (2, {"tp": 2}),
+    "ep2": (2, {"ep": 2}),
+    "pp2": (2, {"pp": 2}),
+    "tp2_ep2_etp1": (2, {"tp": 2, "ep": 2, "etp": 1}),
+    "tp2_pp2_ep2_etp1": (4, {"tp": 2, "pp": 2, "ep": 2, "etp": 1}),
+}
+
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "deepseek_v3": ("deepseek_v3", {}),  # MLA with a low-rank query (q_lora_rank)
+    "deepseek_v3_plain_q": ("deepseek_v3", {"q_lora_rank": None}),  # as DeepSeek-V2-Lite
+    "glm4_moe": ("glm4_moe", {}),
+}
+
+CASES = [
+    pytest.param(model, layout, id=f"{model}-{layout}")
+    for model in MODELS
+    for layout in LAYOUTS
+    if layout != "tp2_pp2_ep2_etp1" or model == "deepseek_v3"
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``model -> (directory, transformers logits)``, each made once."""
+    from megastart.harness.checkpoints import make_checkpoint
+
+    made: dict[str, tuple[str, torch.Tensor]] = {}
+
+    def get(model: str) -> tuple[str, torch.Tensor]:
+        if model not in made:
+            arch, fields = MODELS[model]
+            directory = make_checkpoint(arch, tmp_path_factory.mktemp(model), **fields)
+            made[model] = (str(directory), reference_logits(directory))
+        return made[model]
+
+    return get
+
+
+def assert_logits_match(results: list[tuple[Any, torch.Tensor]], expected: torch.Tensor) -> None:
+    for rank, (_, logits) in enumerate(results):
+        diff = (logits - expected).abs().max().item()
+        assert diff <= 1e-4, f"rank {rank}: max abs logit difference {diff:.3g}"
+
+
+@pytest.mark.parametrize(("model", "layout"), CASES)
+def test_logits_match_transformers(
+    rank_pools: dict[int, RankPool], checkpoints: Any, model: str, layout: str
+) -> None:
+    world, parallel = LAYOUTS[layout]
+    directory, expected = checkpoints(model)
+    results = rank_pools[world].run(load_as_nodes, directory, parallel, 2, {"strict": True})
+    assert_logits_match(results, expected)
+
+
+def multi_token_prediction_layer(tensors: dict[str, torch.Tensor], layers: int) -> None:
+    """Append a copy of the last layer as the hub's MTP layer ``layers`` (with its own norms
+    and projection), as DeepSeek-V3's and GLM-4.5's released checkpoints hold it."""
+    last = f"model.layers.{layers - 1}."
+    for name in [n for n in tensors if n.startswith(last)]:
+        tensors[name.replace(last, f"model.layers.{layers}.")] = tensors[name].clone()
+    if "model.norm.weight" in tensors:
+        hidden = tensors["model.norm.weight"].shape[0]
+        extra = f"model.layers.{layers}."
+        tensors[extra + "enorm.weight"] = torch.ones(hidden)
+        tensors[extra + "hnorm.weight"] = torch.ones(hidden)
+        tensors[extra + "eh_proj.weight"] = torch.zeros(hidden, 2 * hidden)
+        tensors[extra + "shared_head.norm.weight"] = torch.ones(hidden)
+
+
+@pytest.mark.parametrize("model", ["deepseek_v3", "glm4_moe"])
+def test_multi_token_prediction_layers_are_left_unread_by_a_model_without_them(
+    rank_pools: dict[int, RankPool], checkpoints: Any, model: str, tmp_path: Path
+) -> None:
+    import shutil
+
+    from megastart.loader.checkpoint import read_config
+
+    directory, expected = checkpoints(model)
+    copy = Path(shutil.copytree(directory, tmp_path / model))
+    layers = read_config(copy)["num_hidden_layers"]
+    rewrite_shards(copy, lambda tensors: multi_token_prediction_layer(tensors, layers))
+    results = rank_pools[2].run(load_as_nodes, str(copy), {"ep": 2}, 2, {"strict": True})
+    assert_logits_match(results, expected)
+
+
+def test_deepseek_fp8_release_loads_as_its_block_dequantisation(
+    rank_pools: dict[int, RankPool], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """DeepSeek-V3's FP8 projections (MLA's included) with 16x16 blocks, so that every
+    tensor has several; the router, its bias and the norms stay in bf16, as released."""
+    from megastart.harness.checkpoints import make_checkpoint
+
+    out = tmp_path_factory.mktemp("deepseek-fp8")
+    bf16 = make_checkpoint("deepseek_v3", out / "bf16", dtype="bfloat16")
+    fp8, reference = fp8_and_reference(bf16, out, (16, 16))
+    layout = {"tp": 2, "ep": 2, "etp": 1}
+    pool = rank_pools[2]
+    assert_same_parameters(
+        pool.run(load_parameters, fp8, layout, {"bucket_mb": 0.01}),
+        pool.run(load_parameters, reference, layout, {"bucket_mb": 0.01}),
+    )
