@@ -101,6 +101,8 @@ VERL_BRIDGE = (
     *("megatron-core==0.19.2", "megatron-bridge==0.5.1", "nvidia-modelopt==0.44.0"),
 )
 VERL_BRIDGE_TESTS = ("tests/hosts/verl/test_verl_engine_cpu.py", "-k", "megatron_bridge")
+BRIDGE_TESTS = ("tests/bridge",)
+"""Megastart's load against Megatron-Bridge's own, in the same environment."""
 
 
 @session
@@ -125,6 +127,7 @@ def verl(session: nox.Session) -> None:
     session.install("--ignore-requires-python", "--no-deps", *VERL_BRIDGE)
     session.install(TORCH, "numpy<2.5", "triton")
     session.run("pytest", *VERL_BRIDGE_TESTS, "-x", "-q")
+    session.run("pytest", *BRIDGE_TESTS, "-x", "-q")
 
 
 VERL07 = "verl==0.7.1"

@@ -64,6 +64,11 @@ class EngineContext:
     A quantised checkpoint a plugin cannot dequantise is left to the host for these, and
     refused for any other (never cast)."""
 
+    hf_bridge: Any = None
+    """The Megatron-Bridge bridge (``AutoBridge``) whose ``load_hf_weights`` the load
+    replaces, where the host loads through one: its ``mapping_registry()`` then decides which
+    checkpoint tensors fill which parameter (``None``: megastart's built-in tables decide)."""
+
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Host-specific details a plugin may use at its own risk (documented per adapter)."""
 

@@ -124,6 +124,7 @@ class EngineAdapter(ABC):
         extra: Mapping[str, Any],
         value_model: bool = False,
         host_dequantises: frozenset[str] = frozenset(),
+        hf_bridge: Any = None,
     ) -> EngineContext:
         """The ``EngineContext`` of one of this host's models, with this process's settings."""
         return EngineContext(
@@ -138,6 +139,7 @@ class EngineAdapter(ABC):
             value_model=value_model,
             settings=get_settings(),
             host_dequantises=host_dequantises,
+            hf_bridge=hf_bridge,
             extra=extra,
         )
 

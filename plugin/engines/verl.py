@@ -149,5 +149,7 @@ class VerlAdapter(EngineAdapter):
             hf_config=engine.model_config.hf_config,
             is_restart=is_restart,
             value_model=bool(engine.is_value_model),  # set by verl before it loads (0.7-0.9)
+            # Megatron-Bridge's registry decides its branch's mapping (mbridge's: the tables)
+            hf_bridge=None if engine.vanilla_bridge else engine.bridge,
             extra={"verl_engine": engine},
         )

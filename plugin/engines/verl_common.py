@@ -65,6 +65,7 @@ def verl_context(
     is_restart: bool = False,
     value_model: bool,
     extra: dict[str, Any],
+    hf_bridge: Any = None,
 ) -> EngineContext:
     """The host-agnostic view of one verl model (a list of DDP/Float16 chunks)."""
     from megatron.core import parallel_state
@@ -78,6 +79,7 @@ def verl_context(
         hf_config=hf_config,
         is_restart=is_restart,
         value_model=value_model,
+        hf_bridge=hf_bridge,
         extra=extra,
     )
 

@@ -40,8 +40,10 @@ from megastart.distributed import (
 )
 from megastart.errors import SettingsError
 from megastart.loader import pagecache, roles
+from megastart.loader.bridge import Untranslatable
 from megastart.loader.checkpoint import CheckpointMeta, QuantisedCheckpoint, read_metadata
 from megastart.loader.copier import Copier, copy_threads
+from megastart.loader.mappings import MappingTable
 from megastart.loader.model import UnsupportedArchitecture, local_needs, mapping_table
 from megastart.loader.plan import (
     Demand,
@@ -84,6 +86,8 @@ class RankDemands(NamedTuple):
     """Its parameters the load leaves as the host initialised them (canonical names)."""
     page_cache: bool
     """Whether its kernel populates mappings on request (:func:`pagecache.supported`)."""
+    untranslatable: str = ""
+    """Why the host's bridge's mapping cannot be reproduced here (``""``: it can)."""
 
 
 class Streamed(NamedTuple):
@@ -100,10 +104,14 @@ def load_for_engine(engine: EngineContext, checkpoint: str) -> LoadReport | None
     settings = engine.settings.section(PLUGIN) if engine.settings is not None else None
     try:
         return load_hf_checkpoint(
-            engine.model_chunks, checkpoint, settings=settings, value_model=engine.value_model
+            engine.model_chunks,
+            checkpoint,
+            settings=settings,
+            value_model=engine.value_model,
+            bridge=engine.hf_bridge,
         )
     # Both decided on every rank from the same metadata, before any transfer.
-    except UnsupportedArchitecture as e:
+    except (UnsupportedArchitecture, Untranslatable) as e:
         if _rank() == 0:
             log.warning(
                 "megastart: rank0_loader does not handle this checkpoint: %s; the host's loader runs",
@@ -132,6 +140,7 @@ def load_hf_checkpoint(
     *,
     settings: Rank0LoaderSettings | None = None,
     value_model: bool = False,
+    bridge: Any = None,
 ) -> LoadReport:
     """Load an HF checkpoint into this rank's Megatron-core model chunks, reading it once.
 
@@ -146,6 +155,10 @@ def load_hf_checkpoint(
         stage's ``output_layer`` is a one-output head. It is read from the checkpoint's
         reward head of its shape (``score.weight``, ...) if there is one, and otherwise
         left as the host initialised it and named in the report's ``left_to_host``.
+    :param bridge: the host's Megatron-Bridge bridge (``AutoBridge`` or a model bridge)
+        whose ``load_hf_weights`` this load replaces: its ``mapping_registry()`` decides
+        which tensors fill which parameter (:mod:`megastart.loader.bridge`), and what it
+        leaves alone stays as the host initialised it.
     :returns: what was read and sent, and how long it took (same figures on every rank).
     :raises megastart.distributed.CollectiveError: on every rank, when any rank
         failed, stalled, or did not call it within ``timeout_s``; the message
@@ -161,7 +174,7 @@ def load_hf_checkpoint(
         checkpoint is quantised (its weights would be cast without their scales).
     """
     with (
-        _sticky.guard(passes=(UnsupportedArchitecture, QuantisedCheckpoint)),
+        _sticky.guard(passes=(UnsupportedArchitecture, Untranslatable, QuantisedCheckpoint)),
         _discarding_control(),
     ):
         board = Board(PLUGIN)
@@ -180,7 +193,16 @@ def load_hf_checkpoint(
                     board,
                     start,
                     value_model,
+                    bridge,
                 )
+
+
+def _known_table(meta: CheckpointMeta) -> MappingTable:
+    """The built-in table of the checkpoint's architecture (its ignored tensors), or none."""
+    try:
+        return mapping_table(meta)
+    except UnsupportedArchitecture:
+        return MappingTable(meta.architectures, ())
 
 
 def reset_state() -> None:
@@ -207,6 +229,7 @@ def _load(
     board: Board,
     start: float,
     value_model: bool,
+    bridge: Any,
 ) -> LoadReport:
     import torch.distributed as dist
 
@@ -228,26 +251,38 @@ def _load(
         timeout_s=settings.timeout_s,
         control=control,
     )
-    table = mapping_table(meta)
+    table = None if bridge is not None else mapping_table(meta)
     quantisation = meta.quantisation
     if quantisation is not None and quantisation.weight_block is None:
-        raise quantisation.refusal(
-            checkpoint
-        )  # never cast without the scales, whatever strict says
+        # never cast without the scales, whatever strict says
+        raise quantisation.refusal(checkpoint)
 
     with phase(f"{PLUGIN}: mapping this rank's parameters to the checkpoint") as planned:
-        params, tensors, shard, needs = local_needs(chunks, meta, table, value_model=value_model)
-        device = tensors[next(iter(tensors))].device if tensors else _cpu()
-        demands = [demand for need in needs for demand in need.demands()]
-        left = [p.name for p in left_to_host(params, needs)]
-        planned.share(RankDemands(node_key(), demands, device.type, left, pagecache.supported()))
+        try:
+            params, tensors, shard, needs = local_needs(
+                chunks, meta, table, value_model=value_model, bridge=bridge
+            )
+        except Untranslatable as e:  # the bridge loads, on every rank: agreed below
+            planned.share(RankDemands(node_key(), [], "", [], False, str(e)))
+        else:
+            device = tensors[next(iter(tensors))].device if tensors else _cpu()
+            demands = [demand for need in needs for demand in need.demands()]
+            left = [p.name for p in left_to_host(params, needs)]
+            planned.share(
+                RankDemands(node_key(), demands, device.type, left, pagecache.supported())
+            )
     by_rank: list[RankDemands] = planned.shared
+    untranslatable = sorted({r.untranslatable for r in by_rank} - {""})
+    if untranslatable:
+        raise Untranslatable(untranslatable[0])
+    if table is None:  # the bridge decided: what it leaves unread is only named, not refused
+        table = _known_table(meta)
     groups = reader_groups(settings.reader, [r.node for r in by_rank])
     group = next(g for g in groups if rank in g)
 
     with phase(f"{PLUGIN}: planning the buckets"):
         unused = unused_tensors([r.demands for r in by_rank], meta, table, value_model=value_model)
-        if unused and settings.strict:
+        if unused and settings.strict and bridge is None:
             raise PlanError(_unused_message(unused, checkpoint, strict=True))
         plan = build_plan(
             [by_rank[r].demands for r in group], meta, bucket_bytes=int(settings.bucket_mb * 2**20)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from megastart.loader.checkpoint import CheckpointMeta
@@ -47,19 +49,37 @@ def local_needs(
     table: MappingTable | None = None,
     *,
     value_model: bool = False,
+    bridge: Any = None,
 ) -> tuple[list[ParamInfo], dict[tuple[int, str], torch.Tensor], Shard, list[Need]]:
     """What this rank needs from the checkpoint, checked against it: no collective.
 
     Returns this rank's parameters (canonical names), the tensors by ``(chunk,
     local name)``, its tensor-parallel shard, and one :class:`Need` per
     parameter it fills: the HF tensors, the transform and the slice (a value
-    model's head may have none: :func:`~megastart.loader.plan.left_to_host`). Raises
-    :class:`PlanError` (this rank only) when the checkpoint's config or shapes do
-    not fit the model built. The benchmark's baselines use it too, so every
-    strategy writes exactly what the loader writes.
+    model's head may have none, nor a parameter the bridge leaves alone:
+    :func:`~megastart.loader.plan.left_to_host`). Raises :class:`PlanError` (this
+    rank only) when the checkpoint's config or shapes do not fit the model built.
+    The benchmark's baselines use it too, so every strategy writes exactly what the
+    loader writes.
+
+    :param table: the mapping (default: the built-in table of the checkpoint's architecture).
+    :param bridge: the host's Megatron-Bridge bridge whose load this one replaces: its
+        registry decides the mapping (:mod:`megastart.loader.bridge`), not ``table``.
     """
+    candidates = list(_candidates(chunks))
+    if bridge is not None:
+        from megastart.loader.bridge import bridge_table
+
+        table = bridge_table(
+            bridge,
+            [(c.name, c.module, c.buffer) for c in candidates],
+            meta.architectures,
+            tied=bool(getattr(chunks[0], "share_embeddings_and_output_weights", False)),
+        )
     table = table or mapping_table(meta)
-    params, tensors = _local_params(chunks)
+    loaded = [c for c in candidates if not c.buffer or table.match(c.name) is not None]
+    params = [c.info for c in loaded]
+    tensors = {(c.info.chunk, c.local_name): c.tensor for c in loaded}
     megatron = _megatron_config(chunks[0])
     check_expert_parallel(meta.config, megatron, checkpoint=meta.directory)
     check_config(table, meta.config, megatron, checkpoint=meta.directory, value_model=value_model)
@@ -71,31 +91,50 @@ def local_needs(
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
-def _local_params(chunks: list[Any]) -> tuple[list[ParamInfo], dict[tuple[int, str], torch.Tensor]]:
-    """This rank's parameters with canonical names (global layer and expert numbers)."""
-    params: list[ParamInfo] = []
-    tensors: dict[tuple[int, str], torch.Tensor] = {}
+@dataclass(frozen=True, slots=True)
+class _Candidate:
+    """A parameter, or a persistent buffer a mapping may name (the router's expert bias:
+    DeepSeek-V3's ``e_score_correction_bias``, a buffer the optimiser does not update)."""
+
+    info: ParamInfo
+    tensor: torch.Tensor
+    module: Any
+    buffer: bool
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    @property
+    def local_name(self) -> str:
+        return self.info.local_name
+
+
+def _candidates(chunks: list[Any]) -> Iterator[_Candidate]:
+    """This rank's parameters and persistent buffers, with canonical names (global layer and
+    expert numbers) and the modules that hold them."""
     for index, chunk in enumerate(chunks):
         decoder = getattr(chunk, "decoder", None)
         layers = getattr(decoder, "layers", [])
         global_layer = {str(i): str(layer.layer_number - 1) for i, layer in enumerate(layers)}
         first_expert = first_local_expert(_megatron_config(chunk))
-        for name, tensor in (*chunk.named_parameters(), *_loaded_buffers(chunk)):
-            canonical = global_expert_name(_canonical(name, global_layer), first_expert)
-            dtype = str(tensor.dtype).removeprefix("torch.")
-            params.append(ParamInfo(index, name, canonical, tuple(tensor.shape), dtype))
-            tensors[(index, name)] = tensor
-    return params, tensors
-
-
-LOADED_BUFFERS = ("mlp.router.expert_bias",)
-"""Buffers that are model state from the checkpoint, loaded as parameters are: the router's
-expert bias (DeepSeek-V3's ``e_score_correction_bias``), which Megatron keeps as a buffer
-because the optimiser does not update it."""
-
-
-def _loaded_buffers(chunk: Any) -> list[tuple[str, torch.Tensor]]:
-    return [(n, b) for n, b in chunk.named_buffers() if n.endswith(LOADED_BUFFERS)]
+        seen: set[int] = set()  # a tensor two modules share is one parameter
+        for prefix, module in chunk.named_modules():
+            persistent = [
+                (n, b)
+                for n, b in module.named_buffers(recurse=False)
+                if n not in module._non_persistent_buffers_set
+            ]
+            own = [(n, p, False) for n, p in module.named_parameters(recurse=False)]
+            for local, tensor, buffer in own + [(n, b, True) for n, b in persistent]:
+                if id(tensor) in seen:
+                    continue
+                seen.add(id(tensor))
+                name = f"{prefix}.{local}" if prefix else local
+                canonical = global_expert_name(_canonical(name, global_layer), first_expert)
+                dtype = str(tensor.dtype).removeprefix("torch.")
+                info = ParamInfo(index, name, canonical, tuple(tensor.shape), dtype)
+                yield _Candidate(info, tensor, module, buffer)
 
 
 def _canonical(name: str, global_layer: dict[str, str]) -> str:

@@ -185,6 +185,8 @@ def resolve_needs(
             if source is not None:
                 needs.append(Need(param, (source,), "replicated"))
             continue
+        if table.leaves(param.name):
+            continue
         matched = table.match(param.name)
         if matched is None:
             problems.append(f"{param.describe()} has no rule in the {arch} mapping table")

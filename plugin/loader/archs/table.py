@@ -85,6 +85,11 @@ class MappingTable:
                 return rule, found.groupdict()
         return None
 
+    def leaves(self, name: str) -> bool:
+        """Whether the load leaves canonical parameter ``name`` as the host initialised it
+        (none here; a bridge's table leaves what the bridge leaves)."""
+        return False
+
     def hf_names(self, rule: Rule, fields: dict[str, str], *, tied: bool) -> tuple[str, ...]:
         names = rule.hf_if_tied if tied and rule.hf_if_tied else rule.hf
         return tuple(n.format(**fields) for n in names)

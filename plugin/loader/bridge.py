@@ -1,0 +1,177 @@
+"""Mapping knowledge from the host's Megatron-Bridge bridge (verl 0.9's default loader, NeMo-RL's).
+
+Each Megatron-Bridge bridge declares, in ``mapping_registry()``, a mapping object
+per Megatron parameter pattern. Where megastart replaces the bridge's
+``load_hf_weights``, :func:`bridge_table` turns that registry into a
+:class:`BridgeTable` for this rank's model: each parameter the bridge would
+load gets the HF tensors its mapping names and the megastart transform that
+does what the mapping's ``hf_to_megatron`` does, so the one reader streams each
+rank only what it takes, as with the built-in tables.
+
+All or nothing: a mapping class not in :data:`TRANSLATED` (subclasses
+included: Gemma's zero-centred norms add one), an ``AutoMapping`` with
+``permute_dims``, a module whose parallelism ``AutoMapping`` cannot tell, or a
+bridge whose ``maybe_modify_loaded_hf_weight`` does more than megastart does
+itself (:data:`REPRODUCED_HOOKS`) leaves the whole load to the bridge
+(:class:`Untranslatable`, decided on every rank together). What the bridge
+leaves alone, megastart leaves too: adapter parameters (LoRA) and parameters no
+mapping names (:meth:`BridgeTable.leaves`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from megastart.loader.archs.table import MappingTable, Rule
+from megastart.loader.plan import PlanError
+
+TRANSLATED = {
+    "AutoMapping": "",  # the parallelism of the module: column, row or replicated
+    "ColumnParallelMapping": "column_parallel",
+    "RowParallelMapping": "row_parallel",
+    "ReplicatedMapping": "replicated",
+    "DirectMapping": "replicated",
+    "QKVMapping": "qkv",
+    "GatedMLPMapping": "gate_up",
+}
+"""Megatron-Bridge's standard mapping classes (by exact class) and the transforms that
+reproduce them; ``AutoMapping`` takes its module's."""
+
+_BY_PARALLELISM = {"column": "column_parallel", "row": "row_parallel", "replicated": "replicated"}
+_VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
+"""Column-parallel parameters whose rows Megatron-Bridge pads to the padded vocabulary."""
+_EXPERT = {"gate_up": "expert_gate_up", "row_parallel": "expert_row_parallel"}
+"""Transforms of routed experts, split over expert tensor parallelism instead."""
+
+REPRODUCED_HOOKS = {
+    "MegatronModelBridge.maybe_modify_loaded_hf_weight",
+    # dequantises FP8 block-scaled weights with their *_scale_inv, as megastart does
+    "DeepSeekV3Bridge.maybe_modify_loaded_hf_weight",
+}
+"""``maybe_modify_loaded_hf_weight`` implementations (by qualified name) whose result
+megastart's own load equals."""
+
+
+class Untranslatable(PlanError):
+    """The bridge's mappings are not all ones megastart reproduces: the bridge loads."""
+
+
+@dataclass(frozen=True, slots=True)
+class BridgeTable(MappingTable):
+    """The mapping of one rank's parameters, from a bridge's registry (canonical names)."""
+
+    by_name: dict[str, Rule] = field(default_factory=dict, compare=False)
+    left: dict[str, str] = field(default_factory=dict, compare=False)
+    """Parameters the bridge leaves alone, with why."""
+
+    def match(self, name: str) -> tuple[Rule, dict[str, str]] | None:
+        rule = self.by_name.get(name)
+        return None if rule is None else (rule, {})
+
+    def leaves(self, name: str) -> bool:
+        return name in self.left
+
+
+def model_bridge(bridge: Any) -> Any:
+    """The ``MegatronModelBridge`` of an ``AutoBridge`` (or the bridge itself)."""
+    return bridge._model_bridge if hasattr(bridge, "_model_bridge") else bridge
+
+
+def is_megatron_bridge(bridge: Any) -> bool:
+    """Whether ``bridge`` is a Megatron-Bridge ``AutoBridge`` or model bridge."""
+    return type(bridge).__module__.startswith("megatron.bridge.") and hasattr(
+        model_bridge(bridge), "mapping_registry"
+    )
+
+
+def check_hooks(bridge: Any) -> None:
+    """Raise :class:`Untranslatable` if the bridge changes loaded weights in a way megastart
+    does not reproduce."""
+    hook = type(bridge).maybe_modify_loaded_hf_weight
+    if hook.__qualname__ not in REPRODUCED_HOOKS:
+        raise Untranslatable(
+            f"Megatron-Bridge's {type(bridge).__name__} changes each loaded weight "
+            f"({hook.__qualname__}), which megastart does not reproduce"
+        )
+
+
+def bridge_table(
+    bridge: Any,
+    params: list[tuple[str, Any, bool]],
+    architectures: tuple[str, ...],
+    *,
+    tied: bool,
+) -> BridgeTable:
+    """The table for this rank's ``params`` (canonical name, owning module, whether a buffer),
+    from the bridge's registry; raises :class:`Untranslatable` for anything it does not
+    reproduce. A buffer no mapping names is model state the load does not touch; with
+    ``tied`` embeddings the bridge leaves the output layer to the embedding."""
+    bridge = model_bridge(bridge)
+    check_hooks(bridge)
+    registry = bridge.mapping_registry()
+    for mapping in registry.get_all_mappings():
+        _check_class(bridge, mapping)
+    by_name: dict[str, Rule] = {}
+    left: dict[str, str] = {}
+    is_adapter = getattr(bridge, "_is_adapter_param_name", lambda name: False)
+    unwrap_lora = getattr(bridge, "_get_lora_unwrapped_name", lambda name: name)
+    for canonical, module, buffer in params:
+        if "_extra_state" in canonical or is_adapter(canonical):
+            left[canonical] = "an adapter's parameter, which the bridge does not load"
+            continue
+        if tied and canonical.startswith("output_layer."):
+            left[canonical] = "tied to the embedding, which the bridge does not load twice"
+            continue
+        mapping = registry.megatron_to_hf_lookup(unwrap_lora(canonical))
+        if mapping is None:
+            if not buffer:
+                left[canonical] = f"no mapping of {type(bridge).__name__} names it"
+            continue
+        by_name[canonical] = _rule(bridge, mapping, canonical, module)
+    return BridgeTable(architectures, (), by_name=by_name, left=left)
+
+
+def _check_class(bridge: Any, mapping: Any) -> None:
+    kind = type(mapping).__name__
+    if kind not in TRANSLATED or type(mapping).__module__ != _STANDARD_MODULE:
+        raise Untranslatable(
+            f"Megatron-Bridge's {type(bridge).__name__} maps {mapping.megatron_param!r} with "
+            f"{kind}, which megastart does not translate"
+        )
+    if getattr(mapping, "permute_dims", None) is not None:
+        raise Untranslatable(
+            f"Megatron-Bridge's {type(bridge).__name__} maps {mapping.megatron_param!r} with a "
+            f"permuted AutoMapping, which megastart does not translate"
+        )
+
+
+_STANDARD_MODULE = "megatron.bridge.models.conversion.param_mapping"
+
+
+def _rule(bridge: Any, mapping: Any, canonical: str, module: Any) -> Rule:
+    kind = type(mapping).__name__
+    hf = mapping.hf_param
+    names = (hf,) if isinstance(hf, str) else tuple(hf[k] for k in _INPUTS[kind])
+    transform = TRANSLATED[kind]
+    if kind == "AutoMapping":
+        try:
+            transform = _BY_PARALLELISM[mapping._detect_parallelism_type(module)]
+        except ValueError as e:
+            raise Untranslatable(
+                f"Megatron-Bridge's {type(bridge).__name__}: {e}".splitlines()[0]
+            ) from None
+    if transform == "column_parallel" and canonical in _VOCAB:
+        transform = "vocab"
+    if mapping.is_expert:
+        transform = _EXPERT.get(transform, transform)
+        if transform not in _EXPERT.values() and transform != "replicated":
+            raise Untranslatable(
+                f"Megatron-Bridge's {type(bridge).__name__} maps the expert parameter "
+                f"{canonical!r} with {kind} ({transform}), which megastart does not translate"
+            )
+    return Rule((canonical,), names, transform)
+
+
+_INPUTS = {"QKVMapping": ("q", "k", "v"), "GatedMLPMapping": ("gate", "up")}
+"""The order in which a fused mapping's HF tensors are the transform's inputs."""

@@ -1,0 +1,130 @@
+"""Where megastart replaces Megatron-Bridge's ``load_hf_weights`` (verl 0.9's default branch),
+the bridge's ``mapping_registry()`` decides: megastart's load is bit-identical to the
+bridge's own, parameter by parameter (every one set to NaN before each load), in TP, PP,
+VPP, EP and expert-TP layouts; where megastart also has a built-in table the two agree; a
+bridge with a mapping class or a per-weight hook megastart does not reproduce loads the
+model itself, with one line on rank 0.
+
+Runs where Megatron-Bridge is installed (the ``verl`` nox session's second environment:
+megatron-core 0.19, megatron-bridge 0.5), on CPU over gloo with the models built by
+Megatron-Bridge's own provider (:mod:`support.bridge_ranks`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import pytest
+import torch
+
+if importlib.util.find_spec("megatron.bridge") is None:  # imported with shims, by the ranks
+    pytest.skip("Megatron-Bridge is not installed here", allow_module_level=True)
+
+from support.bridge_ranks import (
+    bridge_and_megastart,
+    bridge_with_a_hook_of_its_own,
+    bridge_with_a_mapping_of_its_own,
+    leaves_to_the_bridge,
+    tables_agree,
+)
+
+from megastart.harness.launch import RankPool
+
+CASES = [
+    pytest.param("qwen3", 2, {"tp": 2}, id="qwen3-tp2"),
+    pytest.param("qwen3", 4, {"tp": 2, "pp": 2, "vpp": 2}, id="qwen3-tp2_pp2_vpp2"),
+    pytest.param("llama", 2, {"pp": 2}, id="llama-pp2"),
+    pytest.param("qwen3_moe", 2, {"ep": 2}, id="qwen3_moe-ep2"),
+    pytest.param("qwen3_moe", 2, {"tp": 2, "ep": 2, "etp": 1}, id="qwen3_moe-tp2_ep2_etp1"),
+    pytest.param("qwen3_moe", 2, {"pp": 2}, id="qwen3_moe-pp2"),
+    pytest.param("deepseek_v3", 2, {"tp": 2}, id="deepseek_v3-tp2"),
+    pytest.param("deepseek_v3", 2, {"ep": 2}, id="deepseek_v3-ep2"),
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from megastart.harness.checkpoints import make_checkpoint
+
+    made: dict[str, str] = {}
+
+    def get(arch: str) -> str:
+        if arch not in made:
+            # Qwen3 with 8 layers, so that PP2 x VPP2 has two layers per chunk
+            layers = {"num_hidden_layers": 8} if arch == "qwen3" else {}
+            made[arch] = str(make_checkpoint(arch, tmp_path_factory.mktemp(arch), **layers))
+        return made[arch]
+
+    return get
+
+
+@pytest.mark.parametrize(("arch", "world", "layout"), CASES)
+def test_megastart_loads_what_the_bridge_loads_bit_for_bit(
+    rank_pools: dict[int, RankPool], checkpoints: Any, arch: str, world: int, layout: dict[str, int]
+) -> None:
+    for rank, (theirs, ours, report) in enumerate(
+        rank_pools[world].run(bridge_and_megastart, checkpoints(arch), layout)
+    ):
+        assert report is not None, f"rank {rank}: megastart left the load to the bridge"
+        assert report.reader_ranks == (0,)
+        loaded = [n for n, t in theirs.items() if not t.isnan().any()]
+        assert loaded, f"rank {rank}: the bridge loaded nothing"
+        for name in theirs:
+            same = torch.equal(theirs[name].nan_to_num(7.0), ours[name].nan_to_num(7.0))
+            assert same, f"rank {rank}: {name} differs from the bridge's load"
+
+
+@pytest.mark.parametrize(
+    ("arch", "world", "layout"),
+    [
+        ("qwen3", 2, {"tp": 2}),
+        ("llama", 2, {"pp": 2}),
+        ("qwen3_moe", 2, {"ep": 2}),
+        ("deepseek_v3", 2, {"tp": 2}),
+    ],
+)
+def test_the_bridge_registry_and_the_built_in_table_agree(
+    rank_pools: dict[int, RankPool], checkpoints: Any, arch: str, world: int, layout: dict[str, int]
+) -> None:
+    for rank, differences in enumerate(
+        rank_pools[world].run(tables_agree, checkpoints(arch), layout)
+    ):
+        assert not differences, f"rank {rank}: {differences}"
+
+
+@pytest.mark.parametrize(
+    ("custom", "named"),
+    [
+        (
+            bridge_with_a_mapping_of_its_own,
+            "with ShiftedNormMapping, which megastart does not translate",
+        ),
+        (bridge_with_a_hook_of_its_own, "changes each loaded weight ("),
+    ],
+    ids=["mapping_class", "per_weight_hook"],
+)
+def test_a_bridge_megastart_does_not_reproduce_loads_the_model_itself(
+    rank_pools: dict[int, RankPool], checkpoints: Any, custom: Any, named: str
+) -> None:
+    (result0, lines0), (result1, lines1) = rank_pools[2].run(
+        leaves_to_the_bridge, checkpoints("qwen3"), custom
+    )
+    assert result0 is None and result1 is None
+    assert len(lines0) == 1 and not lines1, (lines0, lines1)
+    assert "rank0_loader does not handle this checkpoint" in lines0[0]
+    assert named in lines0[0], lines0[0]
+
+
+def test_qwen3_next_registry_is_left_to_the_bridge_naming_a_mapping_class() -> None:
+    """Qwen3-Next's gated delta net and zero-centred norms need mapping classes of their own."""
+    from support.bridge_ranks import import_megatron_bridge
+
+    from megastart.loader.bridge import Untranslatable, bridge_table
+
+    import_megatron_bridge()
+    from megatron.bridge.models.qwen.qwen3_next_bridge import Qwen3NextBridge
+
+    bridge = Qwen3NextBridge.__new__(Qwen3NextBridge)
+    with pytest.raises(Untranslatable, match=r"Qwen3NextBridge maps '.*' with \w+Mapping, which"):
+        bridge_table(bridge, [], ("Qwen3NextForCausalLM",), tied=False)

@@ -1,0 +1,242 @@
+"""What each rank runs in the Megatron-Bridge tests: a model built by Megatron-Bridge's own
+provider on CPU over gloo (the shims of verl's Megatron-Bridge tests), loaded once by the
+bridge's ``load_hf_weights`` and once by megastart with the bridge's registry, every
+parameter set to NaN before each load so that nothing left untouched passes."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import torch
+
+from support.loader_ranks import megatron
+
+STUBS = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hosts", "areal", "stubs"
+)
+"""The Transformer Engine stub of the AReaL tests: Megatron-Bridge imports TE unconditionally."""
+
+MEGATRON_WITHOUT_TE = (
+    "megatron.core",
+    "megatron.core.distributed",
+    "megatron.core.optimizer",
+    "megatron.core.pipeline_parallel",
+    "megatron.core.transformer",
+    "megatron.core.models.gpt",
+    "megatron.core.fp8_utils",
+    "megatron.core.ssm.mamba_context_parallel",
+    "megatron.core.transformer.heterogeneous.linear_replacements",
+)
+"""megatron-core's modules that probe for Transformer Engine at import: imported first, while
+the stub is blocked, so that they keep off its code paths."""
+
+
+def import_megatron_bridge() -> Any:
+    """``megatron.bridge``, imported with the shims (see the module docstring)."""
+    import typing
+    from importlib import import_module
+
+    import typing_extensions
+
+    typing.override = typing_extensions.override  # type: ignore[attr-defined]  # Python 3.12's
+    if "megatron.bridge" not in sys.modules:
+        sys.modules["transformer_engine"] = None  # type: ignore[assignment]
+        try:
+            for name in MEGATRON_WITHOUT_TE:
+                import_module(name)
+        finally:
+            del sys.modules["transformer_engine"]
+        if STUBS not in sys.path:
+            sys.path.insert(0, STUBS)
+    return import_module("megatron.bridge")
+
+
+def build(checkpoint: str, layout: dict[str, int]) -> tuple[Any, list[Any]]:
+    """The checkpoint's ``AutoBridge`` and this rank's chunks, from Megatron-Bridge's provider
+    with Megatron's local layer spec, initialised on the CPU."""
+    bridge_module = import_megatron_bridge()
+    bridge = bridge_module.AutoBridge.from_hf_pretrained(checkpoint)
+    provider = bridge.to_megatron_provider(load_weights=False)
+    provider.transformer_layer_spec = cpu_layer_spec
+    for fused in CPU_OFF:
+        if hasattr(provider, fused):
+            setattr(provider, fused, False)
+    provider.moe_token_dispatcher_type = "allgather"
+    provider.tensor_model_parallel_size = layout.get("tp", 1)
+    provider.pipeline_model_parallel_size = layout.get("pp", 1)
+    provider.virtual_pipeline_model_parallel_size = layout.get("vpp")
+    provider.expert_model_parallel_size = layout.get("ep", 1)
+    provider.expert_tensor_parallel_size = layout.get("etp", layout.get("tp", 1))
+    provider.sequence_parallel = False
+    provider.gradient_accumulation_fusion = False
+    provider.params_dtype = torch.float32
+    provider.bf16 = False
+    provider.finalize()
+    chunks = provider.provide_distributed_model(
+        wrap_with_ddp=False, use_cpu_initialization=True, mixed_precision_wrapper=None
+    )
+    return bridge, chunks
+
+
+CPU_OFF = (
+    "gradient_accumulation_fusion",
+    "apply_rope_fusion",
+    "moe_permute_fusion",
+    "moe_router_fusion",
+    "moe_grouped_gemm",
+    "masked_softmax_fusion",
+    "bias_activation_fusion",
+    "bias_dropout_fusion",
+    "persist_layer_norm",
+    "cross_entropy_loss_fusion",
+    "moe_shared_expert_overlap",
+)
+"""The provider's fused kernels, which need CUDA or Transformer Engine."""
+
+
+def cpu_layer_spec(config: Any, vp_stage: int | None = None) -> Any:
+    """Megatron's local layer specs per layer (dense and MoE layers as the config places them;
+    multi-latent attention with the harness's CPU attention)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from megastart.harness.attention import CausalAttention
+
+    spec = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=False, normalization=config.normalization, vp_stage=vp_stage
+    )
+    if config.multi_latent_attention:
+        for layer in spec.layer_specs:
+            layer.submodules.self_attention.submodules.core_attention = CausalAttention
+    return spec
+
+
+def state(chunks: list[Any]) -> dict[str, torch.Tensor]:
+    """Every parameter and persistent buffer of this rank, by chunk and name."""
+    out = {}
+    for index, chunk in enumerate(chunks):
+        for name, tensor in (*chunk.named_parameters(), *chunk.named_buffers()):
+            out[f"{index}:{name}"] = tensor.detach().clone()
+    return out
+
+
+def poison(chunks: list[Any]) -> None:
+    with torch.no_grad():
+        for chunk in chunks:
+            for tensor in (*chunk.parameters(), *chunk.buffers()):
+                if tensor.is_floating_point():
+                    tensor.fill_(float("nan"))
+
+
+def bridge_and_megastart(checkpoint: str, layout: dict[str, int]) -> tuple[dict, dict, Any]:
+    """This rank's state after Megatron-Bridge's load and after megastart's, and megastart's
+    report (``None``: left to the bridge)."""
+    from megastart.loader.api import load_for_engine
+    from megastart.records import EngineContext
+
+    with megatron(layout):
+        bridge, chunks = build(checkpoint, layout)
+        poison(chunks)
+        bridge.load_hf_weights(chunks, checkpoint)
+        theirs = state(chunks)
+        poison(chunks)
+        from megatron.core import parallel_state
+
+        engine = EngineContext(
+            host="test",
+            host_version="0",
+            model_chunks=tuple(chunks),
+            parallel_state=parallel_state,
+            device="cpu",
+            hf_bridge=bridge,
+        )
+        report = load_for_engine(engine, checkpoint)
+        return theirs, state(chunks), report
+
+
+def tables_agree(checkpoint: str, layout: dict[str, int]) -> dict[str, tuple[Any, Any]]:
+    """Per canonical parameter of this rank where the two differ: (HF tensors, transform) from
+    the bridge's registry and from megastart's built-in table."""
+    from megastart.loader.checkpoint import read_metadata
+    from megastart.loader.model import local_needs
+
+    meta = read_metadata(checkpoint, allow_pickle=False)
+    with megatron(layout):
+        bridge, chunks = build(checkpoint, layout)
+        by_bridge = local_needs(chunks, meta, bridge=bridge)[3]
+        by_table = local_needs(chunks, meta)[3]
+    theirs = {n.param.name: (n.hf, n.transform) for n in by_bridge}
+    ours = {n.param.name: (n.hf, n.transform) for n in by_table}
+    return {
+        k: (theirs.get(k), ours.get(k))
+        for k in theirs.keys() | ours.keys()
+        if theirs.get(k) != ours.get(k)
+    }
+
+
+def leaves_to_the_bridge(checkpoint: str, model_bridge: Any) -> tuple[Any, list[str]]:
+    """``load_for_engine`` with ``model_bridge`` as the host's bridge on TP2: what it returned
+    and the lines this rank logged."""
+    import logging
+
+    from megatron.core import parallel_state
+
+    from megastart.loader.api import load_for_engine
+    from megastart.records import EngineContext
+
+    lines: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("megastart").addHandler(handler)
+    try:
+        with megatron({"tp": 2}):
+            auto, chunks = build(checkpoint, {"tp": 2})
+            engine = EngineContext(
+                host="test",
+                host_version="0",
+                model_chunks=tuple(chunks),
+                parallel_state=parallel_state,
+                device="cpu",
+                hf_bridge=model_bridge(auto),
+            )
+            return load_for_engine(engine, checkpoint), lines
+    finally:
+        logging.getLogger("megastart").removeHandler(handler)
+
+
+def bridge_with_a_mapping_of_its_own(auto: Any) -> Any:
+    """The checkpoint's model bridge, with one mapping of a class of its own (as Gemma's
+    zero-centred norms are an AutoMapping that adds one)."""
+    from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
+    from megatron.bridge.models.conversion.param_mapping import AutoMapping
+
+    class ShiftedNormMapping(AutoMapping):
+        def hf_to_megatron(self, hf_weights: Any, megatron_module: Any) -> Any:
+            return super().hf_to_megatron(hf_weights + 1, megatron_module)
+
+    base = auto._model_bridge
+
+    class Bridge(type(base)):  # type: ignore[misc]
+        def mapping_registry(self) -> Any:
+            mappings = super().mapping_registry().get_all_mappings()
+            norm = "decoder.final_layernorm.weight"
+            kept = [m for m in mappings if m.megatron_param != norm]
+            return MegatronMappingRegistry(*kept, ShiftedNormMapping(norm, "model.norm.weight"))
+
+    bridge = Bridge()
+    bridge.hf_config = base.hf_config
+    return bridge
+
+
+def bridge_with_a_hook_of_its_own(auto: Any) -> Any:
+    """The checkpoint's model bridge, changing each loaded weight (scaling it)."""
+    base = auto._model_bridge
+
+    class Bridge(type(base)):  # type: ignore[misc]
+        def maybe_modify_loaded_hf_weight(self, hf_param: Any, hf_state_dict: Any) -> Any:
+            return super().maybe_modify_loaded_hf_weight(hf_param, hf_state_dict) * 2
+
+    bridge = Bridge()
+    bridge.hf_config = base.hf_config
+    return bridge
