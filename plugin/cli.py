@@ -35,6 +35,7 @@ Block one plugin:  verl: +megastart=on megastart.blocklist=[comm_warmup]
 # subcommand -> module defining HELP, add_arguments(parser) and run(args) -> int
 COMMANDS = {
     "status": "megastart.status",
+    "architectures": "megastart.architectures",
     "bench": "megastart.bench",
     "demo": "megastart.demo.cli",
 }

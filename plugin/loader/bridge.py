@@ -8,8 +8,9 @@ load gets the HF tensors its mapping names and the megastart transform that
 does what the mapping's ``hf_to_megatron`` does, so the one reader streams each
 rank only what it takes, as with the built-in tables.
 
-All or nothing: a mapping class not in :data:`TRANSLATED` (subclasses
-included: Gemma's zero-centred norms add one), an ``AutoMapping`` with
+All or nothing: a registry that maps parameters outside a GPT decoder (vision
+towers: multimodal models), a mapping class not in :data:`TRANSLATED` (subclasses
+included), an ``AutoMapping`` with
 ``permute_dims``, a module whose parallelism ``AutoMapping`` cannot tell, or a
 bridge whose ``maybe_modify_loaded_hf_weight`` does more than megastart does
 itself (:data:`REPRODUCED_HOOKS`) leaves the whole load to the bridge
@@ -132,7 +133,17 @@ def bridge_table(
     return BridgeTable(architectures, (), by_name=by_name, left=left)
 
 
+GPT_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
+"""Where a Megatron GPTModel's parameters are: a registry that maps any other (a vision
+tower, a language model nested in a multimodal one) is not one megastart loads."""
+
+
 def _check_class(bridge: Any, mapping: Any) -> None:
+    if not str(mapping.megatron_param).startswith(GPT_PREFIXES):
+        raise Untranslatable(
+            f"Megatron-Bridge's {type(bridge).__name__} maps {mapping.megatron_param!r}, "
+            "outside a GPT decoder (a multimodal model): megastart loads decoder-only models"
+        )
     kind = type(mapping).__name__
     if kind not in TRANSLATED or type(mapping).__module__ != _STANDARD_MODULE:
         raise Untranslatable(

@@ -128,3 +128,27 @@ def test_qwen3_next_registry_is_left_to_the_bridge_naming_a_mapping_class() -> N
     bridge = Qwen3NextBridge.__new__(Qwen3NextBridge)
     with pytest.raises(Untranslatable, match=r"Qwen3NextBridge maps '.*' with \w+Mapping, which"):
         bridge_table(bridge, [], ("Qwen3NextForCausalLM",), tied=False)
+
+
+def test_architectures_lists_what_megatron_bridge_megastart_serves() -> None:
+    """Run in-process: Megatron-Bridge imports here only with the test shims."""
+    from support.bridge_ranks import import_megatron_bridge
+
+    from megastart.architectures import collect, render
+
+    import_megatron_bridge()
+    report = collect()["megatron_bridge"]
+    served = report["architectures"]
+    for name in (
+        "LlamaForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "DeepseekV3ForCausalLM",
+        "KimiK2ForCausalLM",
+    ):
+        assert served[name]["served"] == "yes", served[name]
+    assert served["Qwen3NextForCausalLM"]["served"] == "no"
+    assert "GDNConv1dMapping" in served["Qwen3NextForCausalLM"]["why"]
+    assert "a multimodal model" in served["Qwen2_5_VLForConditionalGeneration"]["why"]
+    assert "GptOssForCausalLM: Megatron-Bridge's GPTOSSBridge changes each loaded weight" in render(
+        collect()
+    )

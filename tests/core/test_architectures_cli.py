@@ -1,0 +1,59 @@
+"""``megastart architectures`` says which architectures rank0_loader loads, and, given a
+checkpoint, what would happen to it (the Megatron-Bridge half runs in tests/bridge)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from support.pyrun import run_python
+from support.quantise import quantise_fp8
+
+CLI = "import sys; from megastart.cli import main; sys.exit(main({argv!r}))"
+
+
+def architectures(*argv: str) -> str:
+    return run_python(CLI.format(argv=["architectures", *argv])).stdout
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from megastart.harness.checkpoints import make_checkpoint
+
+    return make_checkpoint("deepseek_v3", tmp_path_factory.mktemp("deepseek"), dtype="bfloat16")
+
+
+def test_lists_the_built_in_tables_and_says_when_megatron_bridge_is_missing() -> None:
+    out = json.loads(architectures("--json"))
+    assert {"DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Qwen3MoeForCausalLM"} <= set(
+        out["built_in"]
+    )
+    assert out["megatron_bridge"] == {"installed": False}
+    text = architectures()
+    assert (
+        "Megatron-Bridge (where megastart replaces its load_hf_weights):\n  not installed here"
+        in text
+    )
+    assert "decided when the model is built" in text
+
+
+def test_predicts_a_checkpoint_plain_fp8_and_unknown(deepseek: Path, tmp_path: Path) -> None:
+    plain = json.loads(architectures(str(deepseek), "--json"))["checkpoint"]
+    assert plain["built_in"] == "the DeepseekV3ForCausalLM table"
+    assert plain["quantisation"] == "none"
+
+    fp8 = Path(shutil.copytree(deepseek, tmp_path / "fp8"))
+    quantise_fp8(fp8)
+    text = architectures(str(fp8))
+    assert (
+        "quantisation:   fp8 (config.json has quantization_config (blocks of 128x128)): "
+        "dequantised by megastart" in text
+    )
+
+    unknown = Path(shutil.copytree(deepseek, tmp_path / "unknown"))
+    config = json.loads((unknown / "config.json").read_text())
+    config["architectures"] = ["Qwen3NextForCausalLM"]
+    (unknown / "config.json").write_text(json.dumps(config))
+    assert "built-in table: none: left to the host" in architectures(str(unknown))
