@@ -345,8 +345,11 @@ def _assemble(need: Need, inputs: list[Any], shard: Shard, like: torch.Tensor) -
 
 
 def _param(need: Need) -> torch.Tensor:
+    """The parameter (or loaded buffer: the router's expert bias) a need fills."""
     chunk = _STATE["chunks"][need.param.chunk]
-    return chunk.get_parameter(need.param.local_name)
+    module, _, name = need.param.local_name.rpartition(".")
+    tensor: torch.Tensor = getattr(chunk.get_submodule(module), name)
+    return tensor
 
 
 def _with_tp_rank(shard: Shard, tp_rank: int) -> Shard:
