@@ -20,6 +20,7 @@ BENCHMARKS = {
     "loader": "megastart.bench.loader",
     "warmup": "megastart.bench.warmup",
     "startup": "megastart.bench.startup",
+    "plan": "megastart.bench.plan",
 }
 
 

@@ -562,3 +562,13 @@ def load_seeing_shared_segments(
     finally:
         stream.Stream.apply = original  # type: ignore[method-assign]
     return segments, files, mapped(PREFIX)
+
+
+def parameter_shapes(checkpoint: str, layout: dict[str, int]) -> dict[str, tuple[int, ...]]:
+    """This rank's loaded parameters (and buffers), canonical name -> local shape."""
+    from megastart.loader.checkpoint import read_metadata
+    from megastart.loader.model import local_needs
+
+    with megatron(layout):
+        params = local_needs(build(checkpoint), read_metadata(checkpoint, allow_pickle=False))[0]
+        return {p.name: p.shape for p in params}

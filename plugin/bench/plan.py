@@ -1,0 +1,385 @@
+"""``megastart bench plan``: one rank's planning of a real model's checkpoint, in one process.
+
+The checkpoint's metadata is synthetic but complete (every tensor's name, shape and dtype
+as the hub's files hold them: DeepSeek-V3 with its FP8 scales is 91,991 tensors), and so
+is the rank's parameter list for the layout. The rank maps its parameters to the
+checkpoint and plans its buckets twice in the same run, timed by process CPU time (best
+of ``--repeats``): through megastart's built-in table, and through the installed
+Megatron-Bridge's registry for the architecture, as on verl 0.9's default branch.
+
+The registry path needs each parameter's module only for ``AutoMapping``, which reads its
+class name: the benchmark gives it stand-ins named after the Megatron module that holds
+such a parameter (the one thing it reads), not models of 671B parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+HELP = "one rank's planning on a synthetic checkpoint: built-in table vs Megatron-Bridge's registry"
+
+MODELS: dict[str, dict[str, Any]] = {
+    "deepseek-v3": dict(
+        architectures=["DeepseekV3ForCausalLM"],
+        model_type="deepseek_v3",
+        hidden_size=7168,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        num_hidden_layers=61,
+        num_attention_heads=128,
+        num_key_value_heads=128,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_routed_experts=256,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        first_k_dense_replace=3,
+        num_nextn_predict_layers=1,
+        vocab_size=129280,
+        tie_word_embeddings=False,
+        quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
+    ),
+    "qwen3-235b-a22b": dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        hidden_size=4096,
+        intermediate_size=12288,
+        moe_intermediate_size=1536,
+        num_hidden_layers=94,
+        num_attention_heads=64,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+    ),
+}
+"""The models' ``config.json`` (the fields the checkpoint's tensors follow from)."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", choices=sorted(MODELS), default="deepseek-v3")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default: 1)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default: 1)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (default: 1)")
+    parser.add_argument("--bucket-mb", type=float, default=512.0, help="bucket size (default: 512)")
+    parser.add_argument("--repeats", type=int, default=3, help="best of this many (default: 3)")
+    parser.add_argument("--json", help="also write the figures to this file")
+
+
+def run(args: argparse.Namespace) -> int:
+    config = MODELS[args.model]
+    meta = synthetic_checkpoint(config)
+    layout = Layout(args.tp, args.pp, args.ep)
+    params = rank_parameters(config, layout)
+    results = {"model": args.model, "tensors": len(meta.tensors), "parameters": len(params)}
+    results["layout"] = {"tp": args.tp, "pp": args.pp, "ep": args.ep}
+    results["built_in_s"] = _best(args.repeats, lambda: _plan(meta, params, layout, None, args))
+    bridge = _megatron_bridge(config)
+    if isinstance(bridge, str):
+        results["registry"] = bridge
+    else:
+        results["registry_s"] = _best(
+            args.repeats, lambda: _plan(meta, params, layout, bridge, args)
+        )
+        results["registry_vs_built_in"] = results["registry_s"] / results["built_in_s"]
+    print(render(results))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(results, out, indent=2)
+    return 0
+
+
+def render(results: dict[str, Any]) -> str:
+    lines = [
+        f"{results['model']}: {results['tensors']:,} checkpoint tensors; one rank of "
+        f"TP{results['layout']['tp']} PP{results['layout']['pp']} EP{results['layout']['ep']} "
+        f"holds {results['parameters']:,} parameters (rank 0 of each group)",
+        f"  built-in table          {results['built_in_s']:.3f} s CPU",
+    ]
+    if "registry_s" in results:
+        lines.append(
+            f"  Megatron-Bridge registry {results['registry_s']:.3f} s CPU "
+            f"({results['registry_vs_built_in']:.2f}x the built-in table's)"
+        )
+    else:
+        lines.append(f"  Megatron-Bridge registry: {results['registry']}")
+    lines.append(
+        "  (mapping the rank's parameters to the checkpoint, checking every shape, and "
+        "planning its buckets; best of --repeats, process CPU time)"
+    )
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    ep: int
+
+
+def _best(repeats: int, work: Any) -> float:
+    times = []
+    for _ in range(max(1, repeats)):
+        start = time.process_time()
+        work()
+        times.append(time.process_time() - start)
+    return min(times)
+
+
+def _plan(meta: Any, params: list[Any], layout: Layout, bridge: Any, args: Any) -> None:
+    from megastart.loader.archs.table import MappingTable
+    from megastart.loader.bridge import bridge_table
+    from megastart.loader.mappings import mapping_for
+    from megastart.loader.plan import build_plan, resolve_needs
+
+    table: MappingTable | None = mapping_for(meta.architectures[0])
+    if bridge is not None:
+        stand_ins = [(p.name, _stand_in(p.name), False) for p in params]
+        table = bridge_table(bridge, stand_ins, meta.architectures, tied=False)
+    assert table is not None
+    needs = resolve_needs(params, table, meta, _shard(meta.config, layout))
+    demands = [d for need in needs for d in need.demands()]
+    build_plan([demands], meta, bucket_bytes=int(args.bucket_mb * 2**20))
+
+
+def _megatron_bridge(config: dict[str, Any]) -> Any:
+    """The model bridge for the architecture, or why there is none here."""
+    try:
+        from megatron.bridge.models.conversion.model_bridge import get_model_bridge
+        from transformers import AutoConfig
+    except Exception as e:
+        return f"not measured: Megatron-Bridge does not import here ({type(e).__name__}: {e})"
+    fields = {k: v for k, v in config.items() if k not in ("model_type", "quantization_config")}
+    return get_model_bridge(
+        config["architectures"][0], hf_config=AutoConfig.for_model(config["model_type"], **fields)
+    )
+
+
+_STAND_IN_TYPES = {
+    ("embedding.", ""): "VocabParallelEmbedding",
+    ("output_layer.", ""): "ColumnParallelLinear",
+    ("", "norm.weight"): "RMSNorm",
+    ("", "layer_norm_weight"): "RMSNorm",
+    ("", "layernorm.weight"): "RMSNorm",
+    ("", "router.weight"): "TopKRouter",
+    ("", "router.expert_bias"): "TopKRouter",
+    ("", "linear_proj.weight"): "RowParallelLinear",
+    ("", "linear_fc2.weight"): "RowParallelLinear",
+}
+
+
+def _stand_in(name: str) -> Any:
+    """An object whose class is named after the Megatron module that holds ``name``."""
+    import re
+
+    plain = re.sub(r"weight\d+$", "weight", name)
+    kind = next(
+        (
+            k
+            for (head, tail), k in _STAND_IN_TYPES.items()
+            if plain.startswith(head) and plain.endswith(tail) and (head or tail)
+        ),
+        "ColumnParallelLinear",
+    )
+    return _STAND_IN_CLASSES.setdefault(kind, type(kind, (), {}))()
+
+
+_STAND_IN_CLASSES: dict[str, type] = {}
+
+
+def _shard(config: dict[str, Any], layout: Layout) -> Any:
+    from megastart.loader.transforms import Shard
+
+    heads = config["num_attention_heads"]
+    return Shard(
+        tp_rank=0,
+        tp_size=layout.tp,
+        num_heads=heads,
+        num_query_groups=config.get("num_key_value_heads", heads),
+        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+        expert_tp_rank=0,
+        expert_tp_size=layout.tp,
+    )
+
+
+def synthetic_checkpoint(config: dict[str, Any]) -> Any:
+    """The model's checkpoint metadata as the hub's files hold it (one shard per layer)."""
+    from megastart.loader.checkpoint import CheckpointMeta, TensorEntry
+    from megastart.loader.checkpoint.quantised import find_quantisation
+
+    tensors: dict[str, TensorEntry] = {}
+    offsets: dict[str, int] = {}
+    for name, shape, dtype in hf_tensors(config):
+        layer = name.split(".")[2] if name.startswith("model.layers.") else "rest"
+        file = f"model-{layer}.safetensors"
+        start = offsets.get(file, 0)
+        size = _numel(shape) * (1 if dtype.startswith("float8") else 4 if dtype == "float32" else 2)
+        tensors[name] = TensorEntry(name, file, dtype, shape, start, start + size)
+        offsets[file] = start + size
+    quantisation = find_quantisation(config, {n: (e.dtype, e.shape) for n, e in tensors.items()})
+    return CheckpointMeta(
+        "synthetic",
+        config,
+        tensors,
+        "safetensors",
+        tuple(config["architectures"]),
+        {},
+        quantisation,
+    )
+
+
+def hf_tensors(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
+    """Every checkpoint tensor: name, shape, dtype (FP8 projections with their scales)."""
+    h, fp8 = config["hidden_size"], "quantization_config" in config
+    out = [("model.embed_tokens.weight", (config["vocab_size"], h), "bfloat16")]
+    out.append(("lm_head.weight", (config["vocab_size"], h), "bfloat16"))
+    out.append(("model.norm.weight", (h,), "bfloat16"))
+
+    def linear(name: str, rows: int, cols: int) -> None:
+        if fp8:
+            out.append((name, (rows, cols), "float8_e4m3fn"))
+            out.append((name + "_scale_inv", (-(-rows // 128), -(-cols // 128)), "float32"))
+        else:
+            out.append((name, (rows, cols), "bfloat16"))
+
+    def mlp(prefix: str, inner: int) -> None:
+        linear(prefix + "gate_proj.weight", inner, h)
+        linear(prefix + "up_proj.weight", inner, h)
+        linear(prefix + "down_proj.weight", h, inner)
+
+    layers = config["num_hidden_layers"] + config.get("num_nextn_predict_layers", 0)
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out += [(p + "input_layernorm.weight", (h,), "bfloat16")]
+        out += [(p + "post_attention_layernorm.weight", (h,), "bfloat16")]
+        heads = config["num_attention_heads"]
+        if "kv_lora_rank" in config:  # MLA
+            q_dim = config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
+            linear(p + "self_attn.q_a_proj.weight", config["q_lora_rank"], h)
+            out.append((p + "self_attn.q_a_layernorm.weight", (config["q_lora_rank"],), "bfloat16"))
+            linear(p + "self_attn.q_b_proj.weight", heads * q_dim, config["q_lora_rank"])
+            rank = config["kv_lora_rank"]
+            linear(p + "self_attn.kv_a_proj_with_mqa.weight", rank + config["qk_rope_head_dim"], h)
+            out.append((p + "self_attn.kv_a_layernorm.weight", (rank,), "bfloat16"))
+            kv_rows = heads * (config["qk_nope_head_dim"] + config["v_head_dim"])
+            linear(p + "self_attn.kv_b_proj.weight", kv_rows, rank)
+            linear(p + "self_attn.o_proj.weight", h, heads * config["v_head_dim"])
+        else:
+            d, kv = config["head_dim"], config["num_key_value_heads"]
+            linear(p + "self_attn.q_proj.weight", heads * d, h)
+            linear(p + "self_attn.k_proj.weight", kv * d, h)
+            linear(p + "self_attn.v_proj.weight", kv * d, h)
+            linear(p + "self_attn.o_proj.weight", h, heads * d)
+            out += [(p + f"self_attn.{n}_norm.weight", (d,), "bfloat16") for n in "qk"]
+        experts = _experts(config)
+        if i < config.get("first_k_dense_replace", 0) or not experts:
+            mlp(p + "mlp.", config["intermediate_size"])
+            continue
+        out.append((p + "mlp.gate.weight", (experts, h), "bfloat16"))
+        if "n_routed_experts" in config:
+            out.append((p + "mlp.gate.e_score_correction_bias", (experts,), "float32"))
+            mlp(
+                p + "mlp.shared_experts.",
+                config["moe_intermediate_size"] * config["n_shared_experts"],
+            )
+        for j in range(experts):
+            mlp(p + f"mlp.experts.{j}.", config["moe_intermediate_size"])
+    if config.get("num_nextn_predict_layers"):  # the MTP layer's own tensors
+        p = f"model.layers.{config['num_hidden_layers']}."
+        out += [
+            (p + n, (h,), "bfloat16")
+            for n in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight")
+        ]
+        out.append((p + "eh_proj.weight", (h, 2 * h), "bfloat16"))
+    return out
+
+
+def rank_parameters(config: dict[str, Any], layout: Layout) -> list[Any]:
+    """Rank 0's parameters (first pipeline stage, first expert-parallel rank) for ``layout``,
+    with canonical names and local shapes; the last stage's head too when PP is 1."""
+    from megastart.loader.plan import ParamInfo
+
+    h, tp = config["hidden_size"], layout.tp
+    layers = config["num_hidden_layers"]
+    per_stage = -(-layers // layout.pp)
+    heads = config["num_attention_heads"]
+    vocab = -(-config["vocab_size"] // (128 * tp)) * 128 * tp
+    out: list[tuple[str, tuple[int, ...]]] = [
+        ("embedding.word_embeddings.weight", (vocab // tp, h))
+    ]
+    if layout.pp == 1:
+        out += [("decoder.final_layernorm.weight", (h,)), ("output_layer.weight", (vocab // tp, h))]
+    experts = _experts(config)
+    for i in range(per_stage):
+        p = f"decoder.layers.{i}."
+        out.append((p + "input_layernorm.weight", (h,)))
+        a = p + "self_attention."
+        if "kv_lora_rank" in config:
+            q_dim = config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
+            rank = config["kv_lora_rank"]
+            out += [
+                (a + "linear_q_down_proj.weight", (config["q_lora_rank"] // tp, h)),
+                (a + "q_layernorm.weight", (config["q_lora_rank"],)),
+                (a + "linear_q_up_proj.weight", (heads * q_dim // tp, config["q_lora_rank"])),
+                (a + "linear_kv_down_proj.weight", ((rank + config["qk_rope_head_dim"]) // tp, h)),
+                (a + "kv_layernorm.weight", (rank,)),
+                (
+                    a + "linear_kv_up_proj.weight",
+                    (heads * (config["qk_nope_head_dim"] + config["v_head_dim"]) // tp, rank),
+                ),
+                (a + "linear_proj.weight", (h, heads * config["v_head_dim"] // tp)),
+            ]
+        else:
+            d, kv = config["head_dim"], config["num_key_value_heads"]
+            out += [
+                (a + "linear_qkv.weight", ((heads + 2 * kv) * d // tp, h)),
+                (a + "linear_proj.weight", (h, heads * d // tp)),
+                (a + "q_layernorm.weight", (d,)),
+                (a + "k_layernorm.weight", (d,)),
+            ]
+        out.append((p + "pre_mlp_layernorm.weight", (h,)))
+        if i < config.get("first_k_dense_replace", 0) or not experts:
+            inner = config["intermediate_size"] // tp
+            out += [
+                (p + "mlp.linear_fc1.weight", (2 * inner, h)),
+                (p + "mlp.linear_fc2.weight", (h, inner)),
+            ]
+            continue
+        out.append((p + "mlp.router.weight", (experts, h)))
+        if "n_routed_experts" in config:
+            out.append((p + "mlp.router.expert_bias", (experts,)))
+            inner = config["moe_intermediate_size"] * config["n_shared_experts"] // tp
+            out += [
+                (p + "mlp.shared_experts.linear_fc1.weight", (2 * inner, h)),
+                (p + "mlp.shared_experts.linear_fc2.weight", (h, inner)),
+            ]
+        inner = config["moe_intermediate_size"] // tp
+        for j in range(experts // layout.ep):
+            e = p + f"mlp.experts.local_experts.{j}."
+            out += [
+                (e + "linear_fc1.weight", (2 * inner, h)),
+                (e + "linear_fc2.weight", (h, inner)),
+            ]
+    return [ParamInfo(0, name, name, shape, "bfloat16") for name, shape in out]
+
+
+def _experts(config: dict[str, Any]) -> int:
+    """Routed experts per MoE layer, in each family's spelling (0: dense)."""
+    keys = ("n_routed_experts", "num_experts", "num_local_experts")
+    return int(next((config[k] for k in keys if config.get(k)), 0))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
