@@ -33,14 +33,14 @@ def render(run: ConditionResult) -> str:
         f"(load average {run.machine.load_average_at_start:.1f} at the start, "
         f"{run.machine.load_average_at_end:.1f} at the end)",
         "",
-        f"{'strategy':<16} {'wall s':>7} {'x ms':>6} {'node peak GB':>13} {'transient GB':>13} "
+        f"{'strategy':<18} {'wall s':>7} {'x ms':>6} {'node peak GB':>13} {'transient GB':>13} "
         f"{'x ms':>6} {'rank peaks GB':>14} {'read GB':>8} {'x ckpt':>7}"
         + (f" {'GPU extra GB':>13}" if cuda else "")
         + "  weights = megastart",
     ]
     for name, s in strategies.items():
         lines.append(
-            f"{name:<16} {s.wall_s:>7.2f} {s.wall_s / ours.wall_s:>6.2f} "
+            f"{name:<18} {s.wall_s:>7.2f} {s.wall_s / ours.wall_s:>6.2f} "
             f"{s.node_peak_bytes / gb:>13.2f} {s.transient_bytes / gb:>13.3f} "
             f"{s.transient_bytes / max(ours.transient_bytes, 1):>6.1f} "
             f"{s.rank_peaks_transient_bytes / gb:>14.3f} "
@@ -82,7 +82,7 @@ def render(run: ConditionResult) -> str:
             f"{target.what}"
         )
     lines += ["", "implementations:"]
-    lines += [f"  {name:<16} {s.implementation}" for name, s in strategies.items()]
+    lines += [f"  {name:<18} {s.implementation}" for name, s in strategies.items()]
     samplers = [s.sampler for s in strategies.values()]
     lines += [
         "",

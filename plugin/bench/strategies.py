@@ -8,6 +8,8 @@ only how the bytes get from the files to the ranks differs:
 * ``megastart``: :func:`megastart.load_hf_checkpoint` (one reader; its node's ranks take
   their slices from the page cache, other nodes' from shared memory).
 * ``megastart_shm``: the same with ``reader_node=shared_memory`` (shared memory everywhere).
+* ``megastart_registry``: the same, with the mapping from Megatron-Bridge's registry for the
+  checkpoint's architecture (as on verl 0.9's default branch), where Megatron-Bridge imports.
 * ``every_rank_full``: every rank holds a private copy of the whole checkpoint.
 * ``stage_reader``: tensor-parallel rank 0 reads its stage, then scatters.
 * ``mmap_slices``: every rank reads only its slices from the mmapped files.
@@ -38,6 +40,10 @@ IMPLEMENTATIONS = {
         "real: megastart.load_hf_checkpoint with reader_node=shared_memory (the reader's node "
         "takes its slices out of shared-memory slots, not the page cache)"
     ),
+    "megastart_registry": (
+        "real: megastart.load_hf_checkpoint(bridge=AutoBridge.from_hf_pretrained(checkpoint)): "
+        "the mapping from Megatron-Bridge's registry, not the built-in table"
+    ),
     "every_rank_full": (
         "re-implementation of verl's legacy loader (before verl PR #330 every rank ran "
         "from_pretrained, verl/utils/model.py _load_hf_model, and copied its slices): every "
@@ -56,7 +62,11 @@ IMPLEMENTATIONS = {
     ),
 }
 
-MEGASTART_ROUTES = {"megastart": {}, "megastart_shm": {"reader_node": "shared_memory"}}
+MEGASTART_ROUTES = {
+    "megastart": {},
+    "megastart_shm": {"reader_node": "shared_memory"},
+    "megastart_registry": {},
+}
 """The strategies that are megastart, and the settings each adds to the benchmark's."""
 
 _STATE: dict[str, Any] = {}
@@ -110,12 +120,13 @@ def load(strategy: str, checkpoint: str, megastart_options: dict[str, Any]) -> d
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         gpu_before = torch.cuda.memory_allocated()
+    bridge = _bridge(checkpoint) if strategy == "megastart_registry" else None
     dist.barrier()
     start = time.perf_counter()
     between_nodes = 0
     if strategy in MEGASTART_ROUTES:
         options = megastart_options | MEGASTART_ROUTES[strategy]
-        bytes_read, between_nodes = _megastart(chunks, checkpoint, options)
+        bytes_read, between_nodes = _megastart(chunks, checkpoint, options, bridge)
     else:
         bytes_read = _BASELINES[strategy](chunks, checkpoint)
     if on_cuda:
@@ -129,6 +140,16 @@ def load(strategy: str, checkpoint: str, megastart_options: dict[str, Any]) -> d
         "bytes_between_nodes": between_nodes,
         "gpu_peak_extra_bytes": gpu_extra,
     }
+
+
+def _bridge(checkpoint: str) -> Any:
+    """The checkpoint's ``AutoBridge``, made once per process: a host builds its bridge when
+    it builds the model, long before it loads."""
+    if "bridge" not in _STATE:
+        from megatron.bridge import AutoBridge
+
+        _STATE["bridge"] = AutoBridge.from_hf_pretrained(checkpoint)
+    return _STATE["bridge"]
 
 
 def settle() -> None:
@@ -160,13 +181,16 @@ def teardown() -> None:
 # --- the strategies: (chunks, checkpoint) -> bytes this rank read -------------
 
 
-def _megastart(chunks: list[Any], checkpoint: str, options: dict[str, Any]) -> tuple[int, int]:
+def _megastart(
+    chunks: list[Any], checkpoint: str, options: dict[str, Any], bridge: Any
+) -> tuple[int, int]:
     import torch.distributed as dist
 
     from megastart import load_hf_checkpoint
     from megastart.loader.settings import Rank0LoaderSettings
 
-    report = load_hf_checkpoint(chunks, checkpoint, settings=Rank0LoaderSettings(**options))
+    settings = Rank0LoaderSettings(**options)
+    report = load_hf_checkpoint(chunks, checkpoint, settings=settings, bridge=bridge)
     # The report counts what every reader read and sent; charge it to the first reader.
     if dist.get_rank() == min(report.reader_ranks):
         return report.bytes_read, report.bytes_broadcast
