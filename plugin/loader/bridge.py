@@ -79,13 +79,6 @@ def model_bridge(bridge: Any) -> Any:
     return bridge._model_bridge if hasattr(bridge, "_model_bridge") else bridge
 
 
-def is_megatron_bridge(bridge: Any) -> bool:
-    """Whether ``bridge`` is a Megatron-Bridge ``AutoBridge`` or model bridge."""
-    return type(bridge).__module__.startswith("megatron.bridge.") and hasattr(
-        model_bridge(bridge), "mapping_registry"
-    )
-
-
 def check_hooks(bridge: Any) -> None:
     """Raise :class:`Untranslatable` if the bridge changes loaded weights in a way megastart
     does not reproduce."""
