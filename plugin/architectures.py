@@ -35,10 +35,10 @@ def run(args: argparse.Namespace) -> int:
 
 def collect(checkpoint: str | None = None) -> dict[str, Any]:
     """The report as plain data (the ``--json`` output)."""
-    from megastart.loader.mappings import _registry
+    from megastart.loader.mappings import known_architectures
 
     report: dict[str, Any] = {
-        "built_in": sorted(_registry()),
+        "built_in": known_architectures(),
         "megatron_bridge": megatron_bridge_architectures(),
         "at_load_time": AT_LOAD_TIME,
     }
