@@ -167,12 +167,13 @@ def test_a_critic_takes_a_reward_checkpoints_score_head(pool, reward_checkpoint)
 
 
 @pytest.mark.skipif(NO_MEGATRON_BRIDGE is not None, reason=str(NO_MEGATRON_BRIDGE))
-@pytest.mark.parametrize("role", ["actor", "ref"])
+@pytest.mark.parametrize("role", ["actor", "ref", "critic"])
 def test_rank0_loader_loads_what_megatron_bridge_loads_on_verls_default_engine(
     pool, checkpoint, role
 ):
     # verl's default engine config: Megatron-Bridge's provider builds the model, the
-    # adapter shadows load_hf_weights on the engine's bridge; with rank0_loader
-    # blocked, Megatron-Bridge's own load_hf_weights fills the same model
+    # adapter shadows load_hf_weights on the engine's bridge (whose registry then maps
+    # the checkpoint); with rank0_loader blocked, Megatron-Bridge's own load_hf_weights
+    # fills the same model. A critic's value head keeps verl's initialisation either way.
     weights = partial(verl_bridge_cpu.loaded_weights, role=role)
     verl_cpu.check_same_weights_one_reader(pool.run(verl_cpu.loaders_on_rank, checkpoint, weights))

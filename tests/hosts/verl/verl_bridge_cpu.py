@@ -70,9 +70,9 @@ def no_cuda_streams() -> None:
     torch.cuda.stream = lambda stream: contextlib.nullcontext()  # type: ignore[assignment]
 
 
-def build_engine(checkpoint: str, *, forward_only: bool) -> Any:
-    """verl's LM-head engine for ``checkpoint`` with verl's default engine config (bf16,
-    Megatron-Bridge, the distributed optimizer) at TP=2, not yet initialised."""
+def build_engine(checkpoint: str, *, forward_only: bool, value_model: bool = False) -> Any:
+    """verl's LM-head engine (the value-head one for a critic) for ``checkpoint`` with verl's
+    default engine config (bf16, Megatron-Bridge, the distributed optimizer) at TP=2, not yet initialised."""
     import torch
     from megatron.bridge.models.gpt_provider import local_layer_spec
     from verl.trainer.config import CheckpointConfig
@@ -94,8 +94,13 @@ def build_engine(checkpoint: str, *, forward_only: bool) -> Any:
         },
     )
     assert engine_config.vanilla_mbridge is False  # verl 0.9's default: Megatron-Bridge
-    return transformer_impl.MegatronEngineWithLMHead(
-        HFModelConfig(path=checkpoint, load_tokenizer=False, model_type="language_model"),
+    engine_class, model_type = (
+        (transformer_impl.MegatronEngineWithValueHead, "value_model")
+        if value_model
+        else (transformer_impl.MegatronEngineWithLMHead, "language_model")
+    )
+    return engine_class(
+        HFModelConfig(path=checkpoint, load_tokenizer=False, model_type=model_type),
         engine_config,
         McoreOptimizerConfig(lr=1e-4),
         CheckpointConfig(),
@@ -105,17 +110,18 @@ def build_engine(checkpoint: str, *, forward_only: bool) -> Any:
 def loaded_weights(checkpoint: str, *, role: str, **env: str) -> dict[str, Any]:
     """The weights of the ``role`` engine after verl's model build and HF load.
 
-    ``"ref"``: forward-only, through verl's ``initialize``. ``"actor"``: trainable
-    (the model wrapped in Megatron's DDP), through the two calls ``initialize``
-    makes before it builds the optimizer, which Megatron cannot do on CPU.
+    ``"ref"``: forward-only, through verl's ``initialize``; ``"critic"``: the same with
+    verl's value-head engine. ``"actor"``: trainable (the model wrapped in Megatron's DDP),
+    through the two calls ``initialize`` makes before it builds the optimizer, which
+    Megatron cannot do on CPU.
     """
     from megastart.harness.cpu import initialize_megatron
 
     import_megatron_bridge()
     configure_megastart(**env)
     initialize_megatron(tp=TP)
-    engine = build_engine(checkpoint, forward_only=role == "ref")
-    if role == "ref":
+    engine = build_engine(checkpoint, forward_only=role != "actor", value_model=role == "critic")
+    if role != "actor":
         engine.initialize()
     else:
         engine._build_tf_config()
