@@ -57,7 +57,9 @@ def build_gpt_chunks(
     :param layer_spec: ``"local"`` (Megatron-core's own modules); Transformer
         Engine's spec needs a GPU and is not built here.
     :param config_overrides: TransformerConfig fields to replace, e.g.
-        ``num_layers_in_first_pipeline_stage=1`` for uneven pipeline stages.
+        ``num_layers_in_first_pipeline_stage=1`` for uneven pipeline stages, or
+        ``mtp_num_layers=1`` for DeepSeek-V3's multi-token-prediction layer (on the last
+        stage; not run by :func:`forward_logits`).
     :returns: the chunks in virtual-stage order, each in eval mode.
     """
     import dataclasses
@@ -88,17 +90,24 @@ def build_gpt_chunks(
 
             for layer in spec.layer_specs:
                 layer.submodules.self_attention.submodules.core_attention = CausalAttention
+        last = pp_rank == pp_size - 1 and vp_stage == (vpp_size or 1) - 1
+        mtp = None
+        if config.mtp_num_layers and last:  # as DeepSeek-V3's: the decoder's last layer's spec
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+            mtp = get_gpt_mtp_block_spec(config, spec.layer_specs[-1], use_transformer_engine=False)
         chunk = GPTModel(
             config=config,
             transformer_layer_spec=spec,
             vocab_size=padded_vocab_size(hf_config.vocab_size),
             max_sequence_length=hf_config.max_position_embeddings,
             pre_process=pp_rank == 0 and vp_stage == 0,
-            post_process=pp_rank == pp_size - 1 and vp_stage == (vpp_size or 1) - 1,
+            post_process=last,
             share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
             position_embedding_type="rope",
             rotary_base=rope_theta(hf_config),
             rotary_percent=rotary_percent(hf_config),
+            mtp_block_spec=mtp,
             vp_stage=stage,
         )
         chunk.hf_config = hf_config  # what forward_logits and loaders map back to

@@ -77,7 +77,9 @@ def local_needs(
             tied=bool(getattr(chunks[0], "share_embeddings_and_output_weights", False)),
         )
     table = table or mapping_table(meta)
-    loaded = [c for c in candidates if not c.buffer or table.match(c.name) is not None]
+    loaded = [
+        c for c in candidates if not c.buffer or table.resolve(c.name, meta.config) is not None
+    ]
     params = [c.info for c in loaded]
     tensors = {(c.info.chunk, c.local_name): c.tensor for c in loaded}
     megatron = _megatron_config(chunks[0])

@@ -187,7 +187,7 @@ def resolve_needs(
             continue
         if table.leaves(param.name):
             continue
-        matched = table.match(param.name)
+        matched = table.resolve(param.name, meta.config)
         if matched is None:
             problems.append(f"{param.describe()} has no rule in the {arch} mapping table")
             continue

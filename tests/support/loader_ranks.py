@@ -572,3 +572,17 @@ def parameter_shapes(checkpoint: str, layout: dict[str, int]) -> dict[str, tuple
     with megatron(layout):
         params = local_needs(build(checkpoint), read_metadata(checkpoint, allow_pickle=False))[0]
         return {p.name: p.shape for p in params}
+
+
+def load_with_mtp(checkpoint: str, layout: dict[str, int]) -> tuple[int, dict[str, torch.Tensor]]:
+    """This rank's TP rank and parameters after a strict load into a model built with one
+    multi-token-prediction layer (on the last pipeline stage)."""
+    from megatron.core import parallel_state
+
+    from megastart import load_hf_checkpoint
+
+    with megatron(layout):
+        chunks = build(checkpoint, mtp_num_layers=1)
+        load_hf_checkpoint(chunks, checkpoint, settings=settings(strict=True))
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        return tp_rank, {n: p.detach().clone() for n, p in chunks[-1].named_parameters()}

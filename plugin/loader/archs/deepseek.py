@@ -14,8 +14,9 @@ split like that in the local layer spec and held whole on every rank in
 Transformer Engine's (``column_parallel`` takes both).
 
 A DeepSeek-V3 or GLM-4.5 checkpoint from the hub also holds its multi-token-prediction
-layers after the decoder's (``model.layers.{num_hidden_layers}`` on); a model built
-without them leaves them unread (:attr:`MappingTable.extra_layers_key`).
+layers after the decoder's (``model.layers.{num_hidden_layers}`` on): a model built with
+them (``mtp_num_layers``) loads them (:data:`MTP_RULES`); one without leaves them unread
+(:attr:`MappingTable.extra_layers_key`).
 """
 
 from __future__ import annotations
@@ -74,6 +75,18 @@ MLA_RULES = (
     ),
 )
 
+MTP = "mtp.layers.{layer}."
+MTP_RULES = (
+    Rule((MTP + "enorm.weight",), (HF_LAYER + "enorm.weight",), "replicated"),
+    Rule((MTP + "hnorm.weight",), (HF_LAYER + "hnorm.weight",), "replicated"),
+    Rule((MTP + "eh_proj.weight",), (HF_LAYER + "eh_proj.weight",), "column_parallel"),
+    Rule((MTP + "final_layernorm.weight",), (HF_LAYER + "shared_head.norm.weight",), "replicated"),
+)
+"""A multi-token-prediction layer's own parameters (``{layer}``: its checkpoint layer,
+``num_hidden_layers`` on; :meth:`MappingTable.resolve`); its transformer layer is a decoder
+layer of that number, and it shares the embedding and the output layer with the model.
+``eh_proj`` takes ``[enorm(embedding); hnorm(hidden)]`` in both."""
+
 SIGMOID_MOE_RULES = (
     *routed_expert_rules("mlp", "gate_proj", "up_proj", "down_proj"),
     Rule(
@@ -108,7 +121,7 @@ _MOE_CHECKS = (
 
 DEEPSEEK_V3 = MappingTable(
     ("DeepseekV3ForCausalLM",),
-    (*_DECODER_RULES, *MLA_RULES, *SIGMOID_MOE_RULES),
+    (*_DECODER_RULES, *MLA_RULES, *SIGMOID_MOE_RULES, *MTP_RULES),
     (
         *_MOE_CHECKS,
         ("q_lora_rank", "q_lora_rank"),
@@ -124,7 +137,7 @@ DEEPSEEK_V3 = MappingTable(
 
 GLM4_MOE = MappingTable(
     ("Glm4MoeForCausalLM",),
-    (*DENSE_DECODER_RULES, *QKV_BIAS_RULES, *QK_NORM_RULES, *SIGMOID_MOE_RULES),
+    (*DENSE_DECODER_RULES, *QKV_BIAS_RULES, *QK_NORM_RULES, *SIGMOID_MOE_RULES, *MTP_RULES),
     (
         *_MOE_CHECKS,
         ("num_key_value_heads", "num_query_groups"),

@@ -85,6 +85,20 @@ class MappingTable:
                 return rule, found.groupdict()
         return None
 
+    def resolve(self, name: str, config: dict[str, Any]) -> tuple[Rule, dict[str, str]] | None:
+        """:meth:`match` for a parameter of this rank, with ``config.json``: a
+        multi-token-prediction layer ``mtp.layers.{i}`` is checkpoint layer
+        ``num_hidden_layers + i``, its ``transformer_layer`` a decoder layer of that number."""
+        found = _MTP_LAYER.fullmatch(name) if self.extra_layers_key else None
+        if found is None:
+            return self.match(name)
+        layer = int(config.get("num_hidden_layers", 0)) + int(found[1])
+        rest = found[2]
+        inner = rest.removeprefix("transformer_layer.")
+        return self.match(
+            f"decoder.layers.{layer}.{inner}" if inner != rest else f"mtp.layers.{layer}.{rest}"
+        )
+
     def leaves(self, name: str) -> bool:
         """Whether the load leaves canonical parameter ``name`` as the host initialised it
         (none here; a bridge's table leaves what the bridge leaves)."""
@@ -106,6 +120,7 @@ class MappingTable:
 
 
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_MTP_LAYER = re.compile(r"mtp\.layers\.(\d+)\.(.*)")
 
 
 def _pattern(template: str) -> re.Pattern[str]:
