@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -197,6 +198,14 @@ def load_hf_checkpoint(
                 )
 
 
+def _metadata(checkpoint: str, allow_pickle: bool, bridge: Any) -> CheckpointMeta | None:
+    """The checkpoint's metadata; ``None`` where the load replaces a bridge's and the source is
+    not a directory here (the bridge reads it from wherever it is)."""
+    if bridge is not None and not os.path.isdir(checkpoint):
+        return None
+    return read_metadata(checkpoint, allow_pickle=allow_pickle)
+
+
 def _known_table(meta: CheckpointMeta) -> MappingTable:
     """The built-in table of the checkpoint's architecture (its ignored tensors), or none."""
     try:
@@ -244,13 +253,18 @@ def _load(
     )
     phase = partial(all_or_none, timeout_s=settings.timeout_s, control=control, board=board)
 
-    meta: CheckpointMeta = broadcast_or_raise(
+    meta: CheckpointMeta | None = broadcast_or_raise(
         f"{PLUGIN}: reading the metadata of {checkpoint!r}",
-        partial(read_metadata, checkpoint, allow_pickle=settings.allow_pickle),
+        partial(_metadata, checkpoint, settings.allow_pickle, bridge),
         src=0,
         timeout_s=settings.timeout_s,
         control=control,
     )
+    if meta is None:
+        raise Untranslatable(
+            f"the source {checkpoint!r} is not a local checkpoint directory (weights in memory, "
+            "or a hub id not downloaded): the host's Megatron-Bridge loads it"
+        )
     table = None if bridge is not None else mapping_table(meta)
     quantisation = meta.quantisation
     if quantisation is not None and quantisation.weight_block is None:

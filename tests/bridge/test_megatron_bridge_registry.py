@@ -27,6 +27,7 @@ from support.bridge_ranks import (
     bridge_with_a_mapping_of_its_own,
     leaves_to_the_bridge,
     tables_agree,
+    the_auto_bridges_model_bridge,
 )
 
 from megastart.harness.launch import RankPool
@@ -114,6 +115,17 @@ def test_a_bridge_megastart_does_not_reproduce_loads_the_model_itself(
     assert len(lines0) == 1 and not lines1, (lines0, lines1)
     assert "rank0_loader does not handle this checkpoint" in lines0[0]
     assert named in lines0[0], lines0[0]
+
+
+def test_a_source_that_is_not_a_local_directory_is_left_to_the_bridge(
+    rank_pools: dict[int, RankPool], checkpoints: Any
+) -> None:
+    (result0, lines0), (result1, lines1) = rank_pools[2].run(
+        leaves_to_the_bridge, checkpoints("qwen3"), the_auto_bridges_model_bridge, "Qwen/Qwen3-8B"
+    )
+    assert result0 is None and result1 is None
+    assert len(lines0) == 1 and not lines1, (lines0, lines1)
+    assert "the source 'Qwen/Qwen3-8B' is not a local checkpoint directory" in lines0[0]
 
 
 def test_qwen3_next_registry_is_left_to_the_bridge_naming_a_mapping_class() -> None:

@@ -175,9 +175,11 @@ def tables_agree(checkpoint: str, layout: dict[str, int]) -> dict[str, tuple[Any
     }
 
 
-def leaves_to_the_bridge(checkpoint: str, model_bridge: Any) -> tuple[Any, list[str]]:
-    """``load_for_engine`` with ``model_bridge`` as the host's bridge on TP2: what it returned
-    and the lines this rank logged."""
+def leaves_to_the_bridge(
+    checkpoint: str, model_bridge: Any, source: str | None = None
+) -> tuple[Any, list[str]]:
+    """``load_for_engine`` of ``source`` (default: the checkpoint) with ``model_bridge`` as the
+    host's bridge on TP2: what it returned and the lines this rank logged."""
     import logging
 
     from megatron.core import parallel_state
@@ -200,7 +202,7 @@ def leaves_to_the_bridge(checkpoint: str, model_bridge: Any) -> tuple[Any, list[
                 device="cpu",
                 hf_bridge=model_bridge(auto),
             )
-            return load_for_engine(engine, checkpoint), lines
+            return load_for_engine(engine, source or checkpoint), lines
     finally:
         logging.getLogger("megastart").removeHandler(handler)
 
@@ -240,3 +242,7 @@ def bridge_with_a_hook_of_its_own(auto: Any) -> Any:
     bridge = Bridge()
     bridge.hf_config = base.hf_config
     return bridge
+
+
+def the_auto_bridges_model_bridge(auto: Any) -> Any:
+    return auto._model_bridge
