@@ -164,3 +164,24 @@ def test_architectures_lists_what_megatron_bridge_megastart_serves() -> None:
     assert "GptOssForCausalLM: Megatron-Bridge's GPTOSSBridge changes each loaded weight" in render(
         collect()
     )
+
+
+def test_an_fp8_release_loads_as_megatron_bridges_dequantisation(
+    rank_pools: dict[int, RankPool], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """DeepSeek-V3's FP8 format (128x128 blocks, the only size DeepSeekV3Bridge's hook
+    dequantises) into a bf16 model: the bridge's hook and megastart's own dequantisation
+    write the same bits."""
+    from support.quantise import quantise_fp8
+
+    from megastart.harness.checkpoints import make_checkpoint
+
+    directory = make_checkpoint("deepseek_v3", tmp_path_factory.mktemp("fp8"), dtype="bfloat16")
+    quantise_fp8(directory)
+    for rank, (theirs, ours, report) in enumerate(
+        rank_pools[2].run(bridge_and_megastart, str(directory), {"tp": 2}, "bfloat16")
+    ):
+        assert report is not None, f"rank {rank}: megastart left the load to the bridge"
+        for name in theirs:
+            same = torch.equal(theirs[name].nan_to_num(7.0), ours[name].nan_to_num(7.0))
+            assert same, f"rank {rank}: {name} differs from the bridge's load"

@@ -53,7 +53,7 @@ def import_megatron_bridge() -> Any:
     return import_module("megatron.bridge")
 
 
-def build(checkpoint: str, layout: dict[str, int]) -> tuple[Any, list[Any]]:
+def build(checkpoint: str, layout: dict[str, int], dtype: str = "float32") -> tuple[Any, list[Any]]:
     """The checkpoint's ``AutoBridge`` and this rank's chunks, from Megatron-Bridge's provider
     with Megatron's local layer spec, initialised on the CPU."""
     bridge_module = import_megatron_bridge()
@@ -71,8 +71,8 @@ def build(checkpoint: str, layout: dict[str, int]) -> tuple[Any, list[Any]]:
     provider.expert_tensor_parallel_size = layout.get("etp", layout.get("tp", 1))
     provider.sequence_parallel = False
     provider.gradient_accumulation_fusion = False
-    provider.params_dtype = torch.float32
-    provider.bf16 = False
+    provider.params_dtype = getattr(torch, dtype)
+    provider.bf16 = dtype == "bfloat16"
     provider.finalize()
     chunks = provider.provide_distributed_model(
         wrap_with_ddp=False, use_cpu_initialization=True, mixed_precision_wrapper=None
@@ -129,14 +129,16 @@ def poison(chunks: list[Any]) -> None:
                     tensor.fill_(float("nan"))
 
 
-def bridge_and_megastart(checkpoint: str, layout: dict[str, int]) -> tuple[dict, dict, Any]:
+def bridge_and_megastart(
+    checkpoint: str, layout: dict[str, int], dtype: str = "float32"
+) -> tuple[dict, dict, Any]:
     """This rank's state after Megatron-Bridge's load and after megastart's, and megastart's
     report (``None``: left to the bridge)."""
     from megastart.loader.api import load_for_engine
     from megastart.records import EngineContext
 
     with megatron(layout):
-        bridge, chunks = build(checkpoint, layout)
+        bridge, chunks = build(checkpoint, layout, dtype)
         poison(chunks)
         bridge.load_hf_weights(chunks, checkpoint)
         theirs = state(chunks)
