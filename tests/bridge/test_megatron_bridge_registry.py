@@ -39,8 +39,10 @@ CASES = [
     pytest.param("qwen3_moe", 2, {"ep": 2}, id="qwen3_moe-ep2"),
     pytest.param("qwen3_moe", 2, {"tp": 2, "ep": 2, "etp": 1}, id="qwen3_moe-tp2_ep2_etp1"),
     pytest.param("qwen3_moe", 2, {"pp": 2}, id="qwen3_moe-pp2"),
+    pytest.param("qwen3_moe", 2, {"tp": 2}, id="qwen3_moe-tp2_etp2"),
     pytest.param("deepseek_v3", 2, {"tp": 2}, id="deepseek_v3-tp2"),
     pytest.param("deepseek_v3", 2, {"ep": 2}, id="deepseek_v3-ep2"),
+    pytest.param("deepseek_v3", 2, {"pp": 2}, id="deepseek_v3-pp2"),
 ]
 
 
@@ -140,6 +142,19 @@ def test_qwen3_next_registry_is_left_to_the_bridge_naming_a_mapping_class() -> N
     bridge = Qwen3NextBridge.__new__(Qwen3NextBridge)
     with pytest.raises(Untranslatable, match=r"Qwen3NextBridge maps '.*' with \w+Mapping, which"):
         bridge_table(bridge, [], ("Qwen3NextForCausalLM",), tied=False)
+
+
+def test_a_vision_language_registry_is_left_to_the_bridge_as_multimodal() -> None:
+    from support.bridge_ranks import import_megatron_bridge
+
+    from megastart.loader.bridge import Untranslatable, bridge_table
+
+    import_megatron_bridge()
+    from megatron.bridge.models.qwen_vl.qwen25_vl_bridge import Qwen25VLBridge
+
+    bridge = Qwen25VLBridge.__new__(Qwen25VLBridge)
+    with pytest.raises(Untranslatable, match=r"outside a GPT decoder \(a multimodal model\)"):
+        bridge_table(bridge, [], ("Qwen2_5_VLForConditionalGeneration",), tied=False)
 
 
 def test_architectures_lists_what_megatron_bridge_megastart_serves() -> None:
