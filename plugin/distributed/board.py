@@ -17,7 +17,15 @@ if TYPE_CHECKING:
 
 
 POLL_S = 0.1
-"""How long a wait blocks before it looks at the :class:`Board` again."""
+"""How long a wait blocks before it looks at the :class:`Board` again, for its first
+:data:`SETTLE_S` seconds (most waits end within them)."""
+
+SETTLE_S = 3.0
+LONG_POLL_S = 1.0
+"""After :data:`SETTLE_S` seconds a wait looks at the board (and a polled condition at the
+store) once every this many seconds: a rank that waits long (a far bucket, a finished rank
+at the final barrier) costs the store a few requests a second, not a hundred, and a failure
+still reaches it within a second."""
 
 PROGRESS_LOOK_S = 1.0
 """How often a wait on a peer looks at the call's progress (:meth:`Board.advance`): a stall is
@@ -135,11 +143,12 @@ class Board:
             then); announced first, so the others stop at once.
         """
         limit = self.timeout_s + (PEER_GRACE_S if peer else 0.0)
-        deadline = time.monotonic() + limit
+        started = time.monotonic()
+        deadline = started + limit
         # The readers' progress is looked at once the first slice did not do: most waits end in it.
         progress: int | None = None
-        looked = time.monotonic()
-        while not ready(POLL_S):
+        looked = started
+        while not ready(_slice(started, deadline)):
             failure = self.failure()
             if failure is not None:
                 raise PeerFailed(f"{self.what} failed on {failure}")
@@ -212,19 +221,37 @@ class Board:
         self.wait(done, what, peer=True)
 
 
-def polled(condition: Callable[[], bool], first_pause_s: float) -> Callable[[float], bool]:
+def _slice(started: float, deadline: float) -> float:
+    """How long the next slice of a wait that started at ``started`` may block: :data:`POLL_S`
+    at first, :data:`LONG_POLL_S` after :data:`SETTLE_S`, never past the ``deadline``."""
+    now = time.monotonic()
+    length = POLL_S if now - started < SETTLE_S else LONG_POLL_S
+    return max(0.001, min(length, deadline - now))  # 0 would mean "no timeout" to gloo
+
+
+def polled(
+    condition: Callable[[], bool], first_pause_s: float, *, settled_pause_s: float = LONG_POLL_S
+) -> Callable[[float], bool]:
     """A ``ready`` for :meth:`Board.wait` that polls ``condition``: every ``first_pause_s`` at
     first (the peer usually answers at once), then less often, up to every quarter
-    :data:`POLL_S`."""
+    :data:`POLL_S`, and after :data:`SETTLE_S` every ``settled_pause_s`` (a condition that
+    asks the store; one that reads shared memory costs nothing and keeps looking often).
+    The pause carries over from one slice to the next."""
+    pause = first_pause_s
+    started: float | None = None
 
     def ready(slice_s: float) -> bool:
-        deadline = time.monotonic() + slice_s
-        pause = first_pause_s
+        nonlocal pause, started
+        now = time.monotonic()
+        started = now if started is None else started
+        deadline = now + slice_s
         while not condition():
-            if time.monotonic() >= deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 return False
-            time.sleep(pause)
-            pause = min(2 * pause, POLL_S / 4)
+            time.sleep(min(pause, left))
+            settled = time.monotonic() - started >= SETTLE_S
+            pause = min(2 * pause, settled_pause_s if settled else POLL_S / 4)
         return True
 
     return ready
