@@ -52,10 +52,11 @@ class Board:
     ``megastart/<what>/<n>/`` (``n`` counts this process's calls of ``what``: the
     same on every rank while the ranks call together): which ranks arrived, and
     the first failure any rank announced. Every wait of the call blocks
-    :data:`POLL_S` at a time and looks at the board in between, so a failure
-    anywhere stops it within a slice; a wait that outlasts ``timeout_s`` is
-    announced as a failure of its own, naming what it waited for. A store round
-    trip per slice is all it costs.
+    :data:`POLL_S` at a time (:data:`LONG_POLL_S` once it has waited
+    :data:`SETTLE_S`) and looks at the board in between, so a failure anywhere
+    stops it within a slice; a wait that outlasts ``timeout_s`` is announced as a
+    failure of its own, naming what it waited for. A store round trip per slice
+    is all it costs.
 
     A wait on a peer counts ``timeout_s`` from the call's last progress (a
     reader's :meth:`advance`), not from its own start: a rank whose next bucket
