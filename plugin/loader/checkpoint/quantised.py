@@ -67,12 +67,15 @@ def find_quantisation(
         if section:
             method = section.get("quant_method") if isinstance(section, Mapping) else None
             found = Quantisation(str(method or "unknown"), f"config.json has {key}")
-            return _block_scaled_fp8(found, section, tensors) or found
+            return _block_scaled_fp8(found, section, tensors, dtypes) or found
     return next(filter(None, (rule(name, dtypes) for rule in _RULES for name in dtypes)), None)
 
 
 def _block_scaled_fp8(
-    found: Quantisation, section: Any, tensors: Mapping[str, tuple[str, tuple[int, ...]]]
+    found: Quantisation,
+    section: Any,
+    tensors: Mapping[str, tuple[str, tuple[int, ...]]],
+    dtypes: Mapping[str, str],
 ) -> Quantisation | None:
     """``found`` with its block where every float8 tensor is a 2-D weight with float32 block
     scales of the configured block; ``None`` where anything else shows (then it is refused)."""
@@ -87,7 +90,7 @@ def _block_scaled_fp8(
         return None
     rows, cols = block
     for name, (dtype, shape) in tensors.items():
-        if name.endswith(_GPTQ_AWQ) or (dtype in _INTEGER and name.endswith(".weight")):
+        if _packed(name, dtypes) or _integer(name, dtypes):
             return None
         weight = tensors.get(name.removesuffix(SCALE_SUFFIX))
         if name.endswith(SCALE_SUFFIX) and not (weight and weight[0].startswith("float8")):
