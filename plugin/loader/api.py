@@ -44,7 +44,7 @@ from megastart.loader import pagecache, roles
 from megastart.loader.bridge import Untranslatable
 from megastart.loader.checkpoint import CheckpointMeta, QuantisedCheckpoint, read_metadata
 from megastart.loader.copier import Copier, copy_threads
-from megastart.loader.mappings import MappingTable
+from megastart.loader.mappings import VALUE_HEAD, MappingTable
 from megastart.loader.model import UnsupportedArchitecture, local_needs, mapping_table
 from megastart.loader.plan import (
     Demand,
@@ -306,13 +306,21 @@ def _load(
     if unused and rank == 0:
         log.warning("megastart: %s", _unused_message(unused, checkpoint, strict=False))
     left_by_all = tuple(sorted({name for r in by_rank for name in r.left_to_host}))
-    if left_by_all and rank == 0:
+    heads = [n for n in left_by_all if value_model and n.startswith(VALUE_HEAD)]
+    if heads and rank == 0:
         log.info(
             "megastart: value head %s keeps the host's initialisation: %r has no tensor of "
             "its shape for it (a weight is looked for in %s; a bias never is)",
-            list(left_by_all),
+            heads,
             checkpoint,
             ", ".join(table.value_head_sources),
+        )
+    if len(heads) < len(left_by_all) and rank == 0:  # only the bridge's table leaves others
+        log.info(
+            "megastart: %s keep the host's initialisation: the host's Megatron-Bridge does not "
+            "load them either (adapters, parameters none of its mappings names, an output "
+            "layer tied to the embedding)",
+            [n for n in left_by_all if n not in heads],
         )
 
     nodes = [r.node for r in by_rank]

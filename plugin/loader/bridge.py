@@ -63,8 +63,8 @@ class BridgeTable(MappingTable):
     """The mapping of one rank's parameters, from a bridge's registry (canonical names)."""
 
     by_name: dict[str, Rule] = field(default_factory=dict, compare=False)
-    left: dict[str, str] = field(default_factory=dict, compare=False)
-    """Parameters the bridge leaves alone, with why."""
+    left: frozenset[str] = frozenset()
+    """Parameters the bridge leaves alone (adapters, unmapped, a tied output layer)."""
 
     def match(self, name: str) -> tuple[Rule, dict[str, str]] | None:
         rule = self.by_name.get(name)
@@ -107,23 +107,19 @@ def bridge_table(
     for mapping in registry.get_all_mappings():
         _check_class(bridge, mapping)
     by_name: dict[str, Rule] = {}
-    left: dict[str, str] = {}
+    left: set[str] = set()
     is_adapter = getattr(bridge, "_is_adapter_param_name", lambda name: False)
     unwrap_lora = getattr(bridge, "_get_lora_unwrapped_name", lambda name: name)
     for canonical, module, buffer in params:
-        if "_extra_state" in canonical or is_adapter(canonical):
-            left[canonical] = "an adapter's parameter, which the bridge does not load"
-            continue
-        if tied and canonical.startswith("output_layer."):
-            left[canonical] = "tied to the embedding, which the bridge does not load twice"
+        if is_adapter(canonical) or (tied and canonical.startswith("output_layer.")):
+            left.add(canonical)
             continue
         mapping = registry.megatron_to_hf_lookup(unwrap_lora(canonical))
-        if mapping is None:
-            if not buffer:
-                left[canonical] = f"no mapping of {type(bridge).__name__} names it"
-            continue
-        by_name[canonical] = _rule(bridge, mapping, canonical, module)
-    return BridgeTable(architectures, (), by_name=by_name, left=left)
+        if mapping is not None:
+            by_name[canonical] = _rule(bridge, mapping, canonical, module)
+        elif not buffer:  # a buffer no mapping names is state the load does not touch
+            left.add(canonical)
+    return BridgeTable(architectures, (), by_name=by_name, left=frozenset(left))
 
 
 GPT_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
