@@ -22,8 +22,9 @@ _LOCAL_EXPERT = re.compile(r"(?<=\.mlp\.experts\.local_experts\.)(\d+)(?=\.)")
 _GROUPED_EXPERT = re.compile(r"(?<=\.mlp\.experts\.linear_fc[12]\.weight)(\d+)$")
 """Grouped GEMM (Transformer Engine): ``...mlp.experts.linear_fc1.weight{i}``."""
 
-EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")
-"""``config.json`` spellings of the routed experts per layer (Qwen; Mixtral, transformers 5)."""
+EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
+"""``config.json`` spellings of the routed experts per layer (DeepSeek-V3 and GLM-4.5; Qwen;
+Mixtral, transformers 5)."""
 
 
 def global_expert_name(name: str, first_expert: int) -> str:

@@ -305,11 +305,15 @@ def test_router_shape_mismatch_names_tensor_parameter_and_shapes(
     assert "Megatron parameter 'decoder.layers.2.mlp.router.weight'" in message
 
 
+@pytest.mark.parametrize(
+    ("model", "three"),
+    [("qwen2_moe", {"num_experts": 3}), ("deepseek_v3", {"n_routed_experts": 3, "n_group": 1})],
+)
 def test_expert_count_that_ep_does_not_divide_is_refused_with_the_sizes_that_work(
-    rank_pools: Any, checkpoints: Any
+    rank_pools: Any, checkpoints: Any, model: str, three: dict[str, Any]
 ) -> None:
-    three_experts, _ = checkpoints("qwen2_moe", num_experts=3)
-    built_from, _ = checkpoints("qwen2_moe")
+    three_experts, _ = checkpoints(model, **three)
+    built_from, _ = checkpoints(model)
     message = same_on_every_rank(
         rank_pools[2].run(load_expecting_error, three_experts, {"ep": 2}, {}, built_from)
     )
