@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -213,7 +214,7 @@ def _shard(config: dict[str, Any], layout: Layout) -> Any:
 
 def synthetic_checkpoint(config: dict[str, Any]) -> Any:
     """The model's checkpoint metadata as the hub's files hold it (one shard per layer)."""
-    from megastart.loader.checkpoint import CheckpointMeta, TensorEntry
+    from megastart.loader.checkpoint import ITEMSIZE, CheckpointMeta, TensorEntry
     from megastart.loader.checkpoint.quantised import find_quantisation
 
     tensors: dict[str, TensorEntry] = {}
@@ -222,7 +223,7 @@ def synthetic_checkpoint(config: dict[str, Any]) -> Any:
         layer = name.split(".")[2] if name.startswith("model.layers.") else "rest"
         file = f"model-{layer}.safetensors"
         start = offsets.get(file, 0)
-        size = _numel(shape) * (1 if dtype.startswith("float8") else 4 if dtype == "float32" else 2)
+        size = math.prod(shape) * ITEMSIZE[dtype]
         tensors[name] = TensorEntry(name, file, dtype, shape, start, start + size)
         offsets[file] = start + size
     quantisation = find_quantisation(config, {n: (e.dtype, e.shape) for n, e in tensors.items()})
@@ -374,12 +375,6 @@ def rank_parameters(config: dict[str, Any], layout: Layout) -> list[Any]:
 
 def _experts(config: dict[str, Any]) -> int:
     """Routed experts per MoE layer, in each family's spelling (0: dense)."""
-    keys = ("n_routed_experts", "num_experts", "num_local_experts")
-    return int(next((config[k] for k in keys if config.get(k)), 0))
+    from megastart.loader.experts import EXPERT_COUNT_KEYS
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    return int(next((config[k] for k in EXPERT_COUNT_KEYS if config.get(k)), 0))
