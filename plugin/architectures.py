@@ -125,25 +125,28 @@ def _hf_config(checkpoint: str) -> Any:
         return None
 
 
+_VERDICTS = {
+    "yes": "loaded by megastart",
+    "at load time": "decided at load time",
+    "no": "left to the bridge",
+}
+"""A bridge's ``served`` verdict and its heading, in the order they are listed."""
+
+
 def render(report: dict[str, Any]) -> str:
     lines = ["rank0_loader's built-in tables (mbridge, AReaL, megastart.load_hf_checkpoint):"]
     lines += [f"  {a}" for a in report["built_in"]]
     bridge = report["megatron_bridge"]
-    lines += ["", "Megatron-Bridge (where megastart replaces its load_hf_weights):"]
+    version = f" {bridge['version']}" if "version" in bridge else ""
+    lines += ["", f"Megatron-Bridge{version} (where megastart replaces its load_hf_weights):"]
     if not bridge["installed"]:
         lines.append("  not installed here")
     elif "error" in bridge:
         lines.append(f"  {bridge['error']}")
     else:
-        lines[-1] = lines[-1].replace("Megatron-Bridge", f"Megatron-Bridge {bridge['version']}")
-        for served in ("yes", "at load time", "no"):
+        for served, title in _VERDICTS.items():
             names = [a for a, v in sorted(bridge["architectures"].items()) if v["served"] == served]
-            title = {
-                "yes": "loaded by megastart",
-                "at load time": "decided at load time",
-                "no": "left to the bridge",
-            }
-            lines.append(f"  {title[served]} ({len(names)}):")
+            lines.append(f"  {title} ({len(names)}):")
             for name in names:
                 why = "" if served == "yes" else f": {bridge['architectures'][name]['why']}"
                 lines.append(f"    {name}{why}")
