@@ -13,6 +13,7 @@ import torch
 from support.loader_ranks import load_as_nodes, load_parameters, load_with_mtp, reference_logits
 from support.quantise import rewrite_shards
 from test_loader_fp8 import assert_same_parameters, fp8_and_reference
+from test_loader_logits import assert_logits_match
 
 from megastart.harness.launch import RankPool
 
@@ -53,12 +54,6 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Any:
         return made[model]
 
     return get
-
-
-def assert_logits_match(results: list[tuple[Any, torch.Tensor]], expected: torch.Tensor) -> None:
-    for rank, (_, logits) in enumerate(results):
-        diff = (logits - expected).abs().max().item()
-        assert diff <= 1e-4, f"rank {rank}: max abs logit difference {diff:.3g}"
 
 
 @pytest.mark.parametrize(("model", "layout"), CASES)
