@@ -175,7 +175,7 @@ def areal(session: nox.Session) -> None:
 
     megatron-core 0.17 and megatron-bridge 0.4 declare Python >= 3.12 and install
     on 3.11 without their CUDA requirements; Transformer Engine has no CPU build,
-    so the tests put a stub on ``sys.path`` (tests/hosts/areal/stubs). megastart
+    so the tests put a stub on ``sys.path`` (tests/support/stubs). megastart
     goes in as a wheel so that Hydra 1.3 finds its SearchPathPlugin.
     """
     session.install(TORCH)

@@ -5,52 +5,17 @@ parameter set to NaN before each load so that nothing left untouched passes."""
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Any
 
 import torch
 
 from support.loader_ranks import megatron
-
-STUBS = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hosts", "areal", "stubs"
-)
-"""The Transformer Engine stub of the AReaL tests: Megatron-Bridge imports TE unconditionally."""
-
-MEGATRON_WITHOUT_TE = (
-    "megatron.core",
-    "megatron.core.distributed",
-    "megatron.core.optimizer",
-    "megatron.core.pipeline_parallel",
-    "megatron.core.transformer",
-    "megatron.core.models.gpt",
-    "megatron.core.fp8_utils",
-    "megatron.core.ssm.mamba_context_parallel",
-    "megatron.core.transformer.heterogeneous.linear_replacements",
-)
-"""megatron-core's modules that probe for Transformer Engine at import: imported first, while
-the stub is blocked, so that they keep off its code paths."""
+from support.te_stub import import_with_te_stub
 
 
 def import_megatron_bridge() -> Any:
-    """``megatron.bridge``, imported with the shims (see the module docstring)."""
-    import typing
-    from importlib import import_module
-
-    import typing_extensions
-
-    typing.override = typing_extensions.override  # type: ignore[attr-defined]  # Python 3.12's
-    if "megatron.bridge" not in sys.modules:
-        sys.modules["transformer_engine"] = None  # type: ignore[assignment]
-        try:
-            for name in MEGATRON_WITHOUT_TE:
-                import_module(name)
-        finally:
-            del sys.modules["transformer_engine"]
-        if STUBS not in sys.path:
-            sys.path.insert(0, STUBS)
-    return import_module("megatron.bridge")
+    """``megatron.bridge``, imported with :mod:`support.te_stub`'s shims."""
+    return import_with_te_stub("megatron.bridge")
 
 
 def build(checkpoint: str, layout: dict[str, int], dtype: str = "float32") -> tuple[Any, list[Any]]:

@@ -7,14 +7,10 @@ Runs inside a rank of :class:`megastart.harness.launch.RankPool`, after
 Megatron-core). Test-only shims on top, each because this machine has Python
 3.11 and no GPU:
 
-- ``typing.override`` is ``typing_extensions.override``: megatron-core 0.18+
-  ships ``megatron.training``, which Megatron-Bridge 0.5 imports and which uses
-  the Python 3.12 name (a decorator that returns its argument);
-- Transformer Engine has no CPU build and Megatron-Bridge imports
-  ``transformer_engine.pytorch`` unconditionally: the AReaL tests' stub
-  (version 0.0.0, so every Transformer Engine path stays off) satisfies the
-  import, after megatron-core's modules that probe for it were imported
-  without it (:func:`areal_cpu.import_with_te_stub`);
+- Megatron-Bridge is imported as :mod:`support.te_stub` imports it: Python 3.12's
+  ``typing.override``, and a Transformer Engine stub (version 0.0.0, so every
+  Transformer Engine path stays off) after megatron-core's modules that probe for
+  it were imported without it;
 - the provider's layer spec is Megatron-Bridge's own ``local_layer_spec`` (its
   default is Transformer Engine's), the model is initialised on the CPU, and
   gradient-accumulation fusion (Apex's CUDA extension) is off, all set through
@@ -27,26 +23,14 @@ Megatron-core). Test-only shims on top, each because this machine has Python
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Any
 
+from support.te_stub import import_with_te_stub
 from verl_cpu import TP, configure_megastart, parameters
-
-AREAL_TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "areal")
 
 
 def import_megatron_bridge() -> None:
     """Import verl's Megatron-Bridge module (and Megatron-Bridge) with the shims above."""
-    import typing
-
-    import typing_extensions
-
-    typing.override = typing_extensions.override  # type: ignore[attr-defined]
-    if AREAL_TESTS not in sys.path:
-        sys.path.insert(0, AREAL_TESTS)
-    from areal_cpu import import_with_te_stub
-
     import_with_te_stub("verl.models.mcore.bridge")
 
 
