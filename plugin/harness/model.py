@@ -67,7 +67,6 @@ def build_gpt_chunks(
     import torch
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     if layer_spec != "local":
         raise ValueError(
@@ -82,14 +81,7 @@ def build_gpt_chunks(
     chunks = []
     for vp_stage in range(vpp_size or 1):
         stage = None if vpp_size is None else vp_stage
-        spec = get_gpt_decoder_block_spec(
-            config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=stage
-        )
-        if config.multi_latent_attention:
-            from megastart.harness.attention import CausalAttention
-
-            for layer in spec.layer_specs:
-                layer.submodules.self_attention.submodules.core_attention = CausalAttention
+        spec = cpu_block_spec(config, stage)
         last = pp_rank == pp_size - 1 and vp_stage == (vpp_size or 1) - 1
         mtp = None
         if config.mtp_num_layers and last:  # as DeepSeek-V3's: the decoder's last layer's spec
@@ -113,6 +105,23 @@ def build_gpt_chunks(
         chunk.hf_config = hf_config  # what forward_logits and loaders map back to
         chunks.append(chunk.eval())
     return chunks
+
+
+def cpu_block_spec(config: TransformerConfig, vp_stage: int | None = None) -> Any:
+    """Megatron's local layer specs per layer of this stage (dense and MoE layers where the
+    config puts them), multi-latent attention with :class:`~megastart.harness.attention.
+    CausalAttention` (its only core attention without Transformer Engine)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    spec = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=False, normalization=config.normalization, vp_stage=vp_stage
+    )
+    if config.multi_latent_attention:
+        from megastart.harness.attention import CausalAttention
+
+        for layer in spec.layer_specs:
+            layer.submodules.self_attention.submodules.core_attention = CausalAttention
+    return spec
 
 
 def padded_vocab_size(vocab_size: int) -> int:

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from megastart.harness.model import cpu_block_spec
 from support.loader_ranks import megatron
 from support.te_stub import import_with_te_stub
 
@@ -24,7 +25,7 @@ def build(checkpoint: str, layout: dict[str, int], dtype: str = "float32") -> tu
     bridge_module = import_megatron_bridge()
     bridge = bridge_module.AutoBridge.from_hf_pretrained(checkpoint)
     provider = bridge.to_megatron_provider(load_weights=False)
-    provider.transformer_layer_spec = cpu_layer_spec
+    provider.transformer_layer_spec = cpu_block_spec
     for fused in CPU_OFF:
         if hasattr(provider, fused):
             setattr(provider, fused, False)
@@ -59,22 +60,6 @@ CPU_OFF = (
     "moe_shared_expert_overlap",
 )
 """The provider's fused kernels, which need CUDA or Transformer Engine."""
-
-
-def cpu_layer_spec(config: Any, vp_stage: int | None = None) -> Any:
-    """Megatron's local layer specs per layer (dense and MoE layers as the config places them;
-    multi-latent attention with the harness's CPU attention)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-    from megastart.harness.attention import CausalAttention
-
-    spec = get_gpt_decoder_block_spec(
-        config, use_transformer_engine=False, normalization=config.normalization, vp_stage=vp_stage
-    )
-    if config.multi_latent_attention:
-        for layer in spec.layer_specs:
-            layer.submodules.self_attention.submodules.core_attention = CausalAttention
-    return spec
 
 
 def state(chunks: list[Any]) -> dict[str, torch.Tensor]:
