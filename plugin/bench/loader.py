@@ -41,6 +41,7 @@ HELP = "megastart's loader against every-rank, stage-reader and mmap-slice loadi
 STRATEGIES = ("megastart", "megastart_shm", "every_rank_full", "stage_reader", "mmap_slices")
 OPTIONAL_STRATEGIES = ("megastart_registry",)
 """Strategies run only when asked for: ``megastart_registry`` needs Megatron-Bridge."""
+KNOWN_STRATEGIES = STRATEGIES + OPTIONAL_STRATEGIES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--strategies",
         default=",".join(STRATEGIES),
-        help=f"comma-separated subset of {','.join(STRATEGIES + OPTIONAL_STRATEGIES)} "
+        help=f"comma-separated subset of {','.join(KNOWN_STRATEGIES)} "
         "(megastart is always run; megastart_registry maps through Megatron-Bridge's registry)",
     )
     parser.add_argument(
@@ -165,12 +166,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _chosen_strategies(text: str) -> tuple[str, ...]:
     names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = sorted(set(names) - set(STRATEGIES + OPTIONAL_STRATEGIES))
+    unknown = sorted(set(names) - set(KNOWN_STRATEGIES))
     if unknown:
         raise SystemExit(
-            f"--strategies: unknown {unknown}; choose from {', '.join(STRATEGIES + OPTIONAL_STRATEGIES)}"
+            f"--strategies: unknown {unknown}; choose from {', '.join(KNOWN_STRATEGIES)}"
         )
-    return tuple(n for n in STRATEGIES + OPTIONAL_STRATEGIES if n == "megastart" or n in names)
+    return tuple(n for n in KNOWN_STRATEGIES if n == "megastart" or n in names)
 
 
 def _make_checkpoint(arch: str, size_gb: float, directory: Path) -> Path:
