@@ -165,36 +165,27 @@ def _megatron_bridge(config: dict[str, Any]) -> Any:
     )
 
 
-_STAND_IN_TYPES = {
-    ("embedding.", ""): "VocabParallelEmbedding",
-    ("output_layer.", ""): "ColumnParallelLinear",
-    ("", "norm.weight"): "RMSNorm",
-    ("", "layer_norm_weight"): "RMSNorm",
-    ("", "layernorm.weight"): "RMSNorm",
-    ("", "router.weight"): "TopKRouter",
-    ("", "router.expert_bias"): "TopKRouter",
-    ("", "linear_proj.weight"): "RowParallelLinear",
-    ("", "linear_fc2.weight"): "RowParallelLinear",
-}
+_STAND_IN_TYPES = (
+    ("embedding.", "", "VocabParallelEmbedding"),
+    ("", "norm.weight", "RMSNorm"),
+    ("", "router.weight", "TopKRouter"),
+    ("", "router.expert_bias", "TopKRouter"),
+    ("", "linear_proj.weight", "RowParallelLinear"),
+    ("", "linear_fc2.weight", "RowParallelLinear"),
+)
+"""(name prefix, name suffix, Megatron module) of :func:`rank_parameters`' names; the rest
+are column-parallel linears."""
+
+_STAND_IN_CLASSES: dict[str, type] = {}
 
 
 def _stand_in(name: str) -> Any:
     """An object whose class is named after the Megatron module that holds ``name``."""
-    import re
-
-    plain = re.sub(r"weight\d+$", "weight", name)
     kind = next(
-        (
-            k
-            for (head, tail), k in _STAND_IN_TYPES.items()
-            if plain.startswith(head) and plain.endswith(tail) and (head or tail)
-        ),
+        (k for head, tail, k in _STAND_IN_TYPES if name.startswith(head) and name.endswith(tail)),
         "ColumnParallelLinear",
     )
     return _STAND_IN_CLASSES.setdefault(kind, type(kind, (), {}))()
-
-
-_STAND_IN_CLASSES: dict[str, type] = {}
 
 
 def _shard(config: dict[str, Any], layout: Layout) -> Any:
