@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import sys
 from collections.abc import Mapping
@@ -63,12 +64,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        return int(args.run(args))
+        code = int(args.run(args))
+        sys.stdout.flush()  # a closed pipe shows here, not at the interpreter's exit
+        return code
     except MegastartError as e:
         if args.debug:
             raise
         print(f"megastart {args.command}: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `megastart status | head`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 0
 
 
 def _plain(text: str) -> str:

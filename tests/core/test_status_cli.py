@@ -167,3 +167,20 @@ def test_help_is_written_for_users_without_markup(argv: tuple[str, ...]) -> None
     text = status(*argv).stdout
     assert text.startswith("usage: megastart")
     assert "``" not in text and ":data:" not in text and ":func:" not in text, text
+
+
+def test_status_into_a_pipe_its_reader_closed_ends_quietly():
+    """``megastart status | head -1``: no traceback when the reader has closed the pipe."""
+    import subprocess
+    import sys
+
+    command = STATUS.format(argv=["status"]).replace("sys.argv[1:] or ", "")
+    with subprocess.Popen(
+        [sys.executable, "-c", command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as process:
+        assert process.stdout is not None and process.stderr is not None
+        process.stdout.close()  # before megastart writes a byte
+        errors = process.stderr.read()
+        code = process.wait(timeout=60)
+    assert "BrokenPipeError" not in errors and "Traceback" not in errors, errors
+    assert code == 0
