@@ -54,9 +54,10 @@ from megastart.loader.plan import (
     receiver_sets,
     unused_tensors,
 )
-from megastart.loader.route import open_route
+from megastart.loader.route import Nodes, open_route
 from megastart.loader.settings import Rank0LoaderSettings
 from megastart.loader.stream import Stream
+from megastart.loader.stripes import stripe
 from megastart.loader.transport import node_key, reader_groups
 from megastart.loader.verify import Coverage
 from megastart.records import LoadReport
@@ -291,17 +292,32 @@ def _load(
         raise Untranslatable(untranslatable[0])
     if table is None:  # the bridge decided: what it leaves unread is only named, not refused
         table = _known_table(meta)
-    groups = reader_groups(settings.reader, [r.node for r in by_rank])
+    nodes = [r.node for r in by_rank]
+    groups = reader_groups(settings.reader, nodes)
     group = next(g for g in groups if rank in g)
+    striped = settings.reader in ("striped", "auto") and len(set(nodes)) > 1
 
     with phase(f"{PLUGIN}: planning the buckets"):
         unused = unused_tensors([r.demands for r in by_rank], meta, table, value_model=value_model)
         if unused and settings.strict and bridge is None:
             raise PlanError(_unused_message(unused, checkpoint, strict=True))
         plan = build_plan(
-            [by_rank[r].demands for r in group], meta, bucket_bytes=int(settings.bucket_mb * 2**20)
+            [by_rank[r].demands for r in group],
+            meta,
+            bucket_bytes=int(settings.bucket_mb * 2**20),
+            to_reader=not striped,
         )
-        sets = [receiver_sets([by_rank[r].demands for r in members]) for members in groups]
+        if striped:
+            plan = stripe(plan, Nodes.of([nodes[r] for r in group]))
+        sets = [
+            receiver_sets([by_rank[r].demands for r in members], to_reader=not striped)
+            for members in groups
+        ]
+        readers = (
+            tuple(sorted({group[b.reader] for b in plan.buckets}))
+            if striped
+            else tuple(g[0] for g in groups)
+        )
         backend = _backend(settings.transport, {r.device for r in by_rank})
     if unused and rank == 0:
         log.warning("megastart: %s", _unused_message(unused, checkpoint, strict=False))
@@ -323,7 +339,15 @@ def _load(
             [n for n in left_by_all if n not in heads],
         )
 
-    nodes = [r.node for r in by_rank]
+    if striped and rank == 0:
+        log.info(
+            "megastart: %s striped over %d readers (%s), %.2f GB in %d buckets",
+            PLUGIN,
+            len(readers),
+            _ranks_text(readers),
+            plan.nbytes / 1e9,
+            len(plan.buckets),
+        )
     cached = settings.reader_node == "page_cache" and meta.format == "safetensors"
     route = open_route(
         groups,
@@ -334,6 +358,7 @@ def _load(
         backend=backend,
         device=device,
         board=board,
+        striped=striped,
     )
     coverage = Coverage()
     with phase(f"{PLUGIN}: streaming {checkpoint!r} and verifying the coverage") as loaded:
@@ -353,10 +378,16 @@ def _load(
         bytes_read=sum(m.bytes_read for m in moved),
         bytes_broadcast=sum(m.bytes_broadcast for m in moved),
         seconds=time.perf_counter() - start,
-        reader_ranks=tuple(g[0] for g in groups),
+        reader_ranks=readers,
         tensors=len({name for r in by_rank for names, _ in r.demands for name in names}),
         left_to_host=left_by_all,
     )
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    """``ranks`` for a log line: all of a few, the first and last of many."""
+    shown = ", ".join(map(str, ranks[:4]))
+    return f"ranks {shown}" + (f", ... {ranks[-1]}" if len(ranks) > 4 else "")
 
 
 def _backend(transport: str, device_types: set[str]) -> str:

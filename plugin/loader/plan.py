@@ -96,7 +96,9 @@ class Bucket:
     nbytes: int
     positions: tuple[int, ...] = (0,)
     """The positions in the reader group of the ranks it is broadcast to: the reader (0)
-    and every rank that needs one of its slots."""
+    and every rank that needs one of its slots (with striped readers, those alone)."""
+    reader: int = 0
+    """The position in the reader group of the rank that reads it (:mod:`.stripes`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,9 +276,15 @@ def unused_tensors(
 
 
 def build_plan(
-    demands_by_rank: Sequence[Sequence[Demand]], meta: CheckpointMeta, *, bucket_bytes: int
+    demands_by_rank: Sequence[Sequence[Demand]],
+    meta: CheckpointMeta,
+    *,
+    bucket_bytes: int,
+    to_reader: bool = True,
 ) -> Plan:
-    """Buckets of at most ``bucket_bytes`` for the given ranks' demands (index 0: the reader).
+    """Buckets of at most ``bucket_bytes`` for the given ranks' demands (index 0: the reader;
+    with ``to_reader=False``, buckets reach only the ranks that need them, and
+    :func:`~megastart.loader.stripes.stripe` chooses their readers).
 
     Each bucket holds tensors the same ranks need (:func:`receiver_sets`), so it
     is broadcast to those ranks only: a pipeline stage's tensors do not cross
@@ -292,7 +300,7 @@ def build_plan(
     at a time, so fused inputs (q, k, v) may travel apart.
     """
     bucket_bytes = max(_ALIGN, bucket_bytes // _ALIGN * _ALIGN)  # aligned slots fill it exactly
-    dtypes, members = _consumers(demands_by_rank)
+    dtypes, members = _consumers(demands_by_rank, to_reader)
     buckets: list[Bucket] = []
     open_buckets: dict[tuple[int, ...], tuple[list[Slot], int]] = {}
     order = partial(_stream_order, meta)
@@ -315,22 +323,26 @@ def build_plan(
     return Plan(tuple(buckets))
 
 
-def receiver_sets(demands_by_rank: Sequence[Sequence[Demand]]) -> list[tuple[int, ...]]:
+def receiver_sets(
+    demands_by_rank: Sequence[Sequence[Demand]], *, to_reader: bool = True
+) -> list[tuple[int, ...]]:
     """The distinct :attr:`Bucket.positions` of the plan for these demands, sorted."""
-    return sorted(set(_consumers(demands_by_rank)[1].values()))
+    return sorted(set(_consumers(demands_by_rank, to_reader)[1].values()))
 
 
 def _consumers(
-    demands_by_rank: Sequence[Sequence[Demand]],
+    demands_by_rank: Sequence[Sequence[Demand]], to_reader: bool
 ) -> tuple[dict[str, set[str]], dict[str, tuple[int, ...]]]:
-    """Per HF tensor: the dtypes its consumers want, and the reader (0) with the ranks that need it."""
+    """Per HF tensor: the dtypes its consumers want, and the ranks that need it (with the
+    reader, 0, if ``to_reader``)."""
     dtypes: dict[str, set[str]] = {}
     ranks: dict[str, set[int]] = {}
+    first = {0} if to_reader else set()
     for rank, demands in enumerate(demands_by_rank):
         for names, dtype in demands:
             for name in names:
                 dtypes.setdefault(name, set()).add(dtype)
-                ranks.setdefault(name, {0}).add(rank)
+                ranks.setdefault(name, set(first)).add(rank)
     return dtypes, {name: tuple(sorted(r)) for name, r in ranks.items()}
 
 

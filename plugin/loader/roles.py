@@ -10,6 +10,10 @@ rank's :class:`~megastart.loader.stream.Stream`:
   broadcasts to the other nodes' leaders that need it;
 * :func:`relay`: a **leader** of another node receives the buckets its node needs
   straight into its node's shared buffers and announces them;
+* :func:`read_share`: with striped readers (:mod:`megastart.loader.stripes`), every
+  **leader** reads its share of the buckets into its node's shared buffers and sends
+  each to the other nodes that need it, and receives the rest its node needs, as
+  :func:`relay` does;
 * :func:`take`: every other rank waits for its node's announcements and copies its
   slices out of the shared buffer; :func:`take_cached`: on the reader's node with the
   page cache, out of its own mapping of the files once the reader has read the bucket.
@@ -30,7 +34,14 @@ from megastart.loader.pagecache import Frontier, Window
 from megastart.loader.progress import Progress
 from megastart.loader.settings import Rank0LoaderSettings
 from megastart.loader.stream import BUFFERS, InUse, Payload, Source
-from megastart.loader.transport import IN_FLIGHT, READ_PART_BYTES, Prefetcher, ReaderError, fill
+from megastart.loader.transport import (
+    IN_FLIGHT,
+    READ_PART_BYTES,
+    Channel,
+    Prefetcher,
+    ReaderError,
+    fill,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -42,6 +53,8 @@ def run(stream: Stream, settings: Rank0LoaderSettings) -> tuple[int, int]:
     """Stream every bucket this rank takes part in, in its role; returns (bytes read, bytes
     sent between nodes)."""
     route = stream.route
+    if route.striped and route.leads:
+        return read_share(stream, settings)
     if route.position == 0:
         return read(stream, settings)
     if route.leads:
@@ -52,8 +65,6 @@ def run(stream: Stream, settings: Rank0LoaderSettings) -> tuple[int, int]:
 
 
 def read(stream: Stream, settings: Rank0LoaderSettings) -> tuple[int, int]:
-    import torch
-
     reader = TensorReader(stream.meta)
     progress = Progress(stream.plan.nbytes, enabled=settings.progress)
     leaders = stream.route.leaders
@@ -74,10 +85,7 @@ def read(stream: Stream, settings: Rank0LoaderSettings) -> tuple[int, int]:
                 except BaseException as e:
                     for used in in_use:  # what was announced is delivered before the error
                         stream.deliver(used)
-                    stream.fail(
-                        f"reader rank {stream.route.group[0]} failed: {type(e).__name__}: {e}",
-                        frontier,
-                    )
+                    stream.fail(_read_failed(stream, e), frontier, leaders=leaders)
                     raise
                 stream.route.board.advance()  # every peer's wait starts again
                 used = InUse()
@@ -85,15 +93,10 @@ def read(stream: Stream, settings: Rank0LoaderSettings) -> tuple[int, int]:
                 if leaders is not None and isinstance(source, Window):  # no other node needs it
                     used.sends.append(leaders.announce(bucket.nbytes, 0))
                 elif leaders is not None:
-                    wire = source.data
-                    if staging:  # NCCL between nodes: the buffer travels from the GPU
-                        wire = staging[index % IN_FLIGHT][: bucket.nbytes]
-                        wire.copy_(source.data, non_blocking=True)
-                        copied = torch.cuda.Event()
-                        copied.record()
-                    to = stream.route.leaders_for(bucket.positions)
-                    used.sends.append(leaders.send(wire, to))
-                    sent += bucket.nbytes if len(to) > 1 else 0
+                    assert isinstance(source, Payload)
+                    work, copied, crossed = _send(stream, leaders, index, source, staging)
+                    used.sends.append(work)
+                    sent += crossed
                 used.done = stream.announce(index, buffer, bucket.nbytes)
                 used.release = partial(prefetch.release, buffer, copied)
                 stream.apply(index, source)
@@ -131,9 +134,7 @@ def _fetch(
         # the reader copies them, however far ahead this thread reads.
         source = Window(reader.meta, stream.mine(bucket))
     else:
-        payload = buffers[buffer][: bucket.nbytes]
-        fill(reader, bucket, payload, pool)
-        source = Payload(payload)
+        source = _filled(stream, reader, buffers, index, buffer, pool)
     if frontier is not None:
         frontier.publish(index + 1)
     return source
@@ -141,39 +142,160 @@ def _fetch(
 
 def relay(stream: Stream) -> tuple[int, int]:
     """Another node's leader: receive its node's buckets into the shared buffers, announce them."""
-    import torch
-
     leaders = stream.route.leaders
     assert leaders is not None
     staging = _staging(stream)
     in_use: deque[InUse] = deque()
     with stream.buffers() as buffers:
         free = deque(range(len(buffers)))
-        for index, bucket in enumerate(stream.plan.buckets):
-            to = stream.route.leaders_for(bucket.positions)
-            target = staging[index % IN_FLIGHT] if staging else buffers[free[0]]
-            try:
-                started = leaders.receive(target, to, bucket.nbytes)
-            except ReaderError as e:
-                stream.fail(str(e))
-                raise
-            if started is None:
+        for index in range(len(stream.plan.buckets)):
+            used = _receive(stream, leaders, index, buffers, free, staging)
+            if used is None:
                 continue
-            buffer = free.popleft()
-            payload, work = started
-            leaders.wait(work, "a bucket's broadcast")
-            if staging:
-                buffers[buffer][: bucket.nbytes].copy_(payload)
-                torch.cuda.current_stream().synchronize()
-            done = stream.announce(index, buffer, bucket.nbytes)
-            stream.apply(index, Payload(buffers[buffer][: bucket.nbytes]))
-            in_use.append(InUse(done=done, release=partial(free.append, buffer)))
+            in_use.append(used)
             if len(in_use) == IN_FLIGHT:
                 stream.finish(in_use.popleft())
         while in_use:
             stream.finish(in_use.popleft())
         stream.drain()
     return 0, 0
+
+
+def read_share(stream: Stream, settings: Rank0LoaderSettings) -> tuple[int, int]:
+    """A node leader with striped readers: read this node's share of the buckets (ahead, in a
+    background thread, into the second half of the node's buffers) and send each to the other
+    nodes that need it; receive the other readers' buckets its node needs into the first
+    half. Every leader hears every bucket's header, from that bucket's reader, so a reader's
+    failure reaches every node."""
+    route = stream.route
+    leaders = route.leaders
+    assert leaders is not None
+    buckets = stream.plan.buckets
+    share = [i for i, bucket in enumerate(buckets) if bucket.reader == route.position]
+    reader = TensorReader(stream.meta)
+    # The first leader shows the whole stream's progress: it hears every bucket's header.
+    progress = Progress(stream.plan.nbytes, enabled=settings.progress and route.position == 0)
+    staging = _staging(stream)
+    in_use: deque[InUse] = deque()
+    sent = 0
+    with stream.buffers() as buffers:
+        received, reads = buffers[:BUFFERS], buffers[BUFFERS:]
+        free = deque(range(BUFFERS))
+        fetch = partial(_filled, stream, reader, reads)
+        prefetch = Prefetcher(reader, stream.plan, fetch, BUFFERS, board=route.board, indices=share)
+        try:
+            for index, bucket in enumerate(buckets):
+                progress.advance(bucket.nbytes)
+                if bucket.reader != route.position:
+                    used = _receive(
+                        stream,
+                        leaders.sent_by(route.group[bucket.reader]),
+                        index,
+                        received,
+                        free,
+                        staging,
+                    )
+                    if used is None:
+                        continue
+                else:
+                    channel = leaders.sent_by(route.board.rank)
+                    try:
+                        buffer, source = prefetch.next()
+                    except CollectiveError:  # a stall or a peer's failure: on the board already
+                        raise
+                    except BaseException as e:
+                        for used in in_use:  # what was announced is delivered before the error
+                            stream.deliver(used)
+                        stream.fail(_read_failed(stream, e), leaders=channel)
+                        raise
+                    route.board.advance()  # every peer's wait starts again
+                    work, copied, crossed = _send(stream, channel, index, source, staging)
+                    sent += crossed
+                    used = InUse(sends=[work], release=partial(prefetch.release, buffer, copied))
+                    used.done = stream.announce(index, BUFFERS + buffer, bucket.nbytes)
+                    stream.apply(index, source)
+                    del source
+                in_use.append(used)
+                if len(in_use) == IN_FLIGHT:
+                    stream.finish(in_use.popleft())
+            while in_use:
+                stream.finish(in_use.popleft())
+            stream.drain()
+            reader.check_unchanged()  # the bytes sent were one version of the checkpoint
+        finally:
+            prefetch.close()
+    return reader.bytes_read, sent
+
+
+def _read_failed(stream: Stream, error: BaseException) -> str:
+    return f"reader rank {stream.route.board.rank} failed: {type(error).__name__}: {error}"
+
+
+def _filled(
+    stream: Stream,
+    reader: TensorReader,
+    buffers: list[torch.Tensor],
+    index: int,
+    buffer: int,
+    pool: Executor,
+) -> Payload:
+    """Bucket ``index`` read into ``buffers[buffer]`` (in the read-ahead thread)."""
+    bucket = stream.plan.buckets[index]
+    payload = buffers[buffer][: bucket.nbytes]
+    fill(reader, bucket, payload, pool)
+    return Payload(payload)
+
+
+def _send(
+    stream: Stream, leaders: Channel, index: int, source: Payload, staging: list[torch.Tensor]
+) -> tuple[Any, Any, int]:
+    """Start the broadcast of bucket ``index`` to the other nodes that need it; returns the
+    broadcast in flight, the CUDA event after which ``source`` may be refilled (``None``: once
+    the broadcast is done), and the bytes that cross to other nodes."""
+    import torch
+
+    bucket = stream.plan.buckets[index]
+    wire, copied = source.data, None
+    if staging:  # NCCL between nodes: the buffer travels from the GPU
+        wire = staging[index % IN_FLIGHT][: bucket.nbytes]
+        wire.copy_(source.data, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+    to = stream.route.leaders_for(bucket.positions)
+    return leaders.send(wire, to), copied, bucket.nbytes * (len(to) - 1)
+
+
+def _receive(
+    stream: Stream,
+    leaders: Channel,
+    index: int,
+    buffers: list[torch.Tensor],
+    free: deque[int],
+    staging: list[torch.Tensor],
+) -> InUse | None:
+    """Receive bucket ``index`` from ``leaders``' sender into a ``free`` buffer, announce it to
+    the node and apply it (``None``: no rank of this node needs it)."""
+    import torch
+
+    bucket = stream.plan.buckets[index]
+    to = stream.route.leaders_for(bucket.positions)
+    target = staging[index % IN_FLIGHT] if staging else buffers[free[0]]
+    try:
+        started = leaders.receive(target, to, bucket.nbytes)
+    except ReaderError as e:
+        stream.fail(str(e))
+        raise
+    if started is None:
+        return None
+    buffer = free.popleft()
+    payload, work = started
+    leaders.wait(work, "a bucket's broadcast")
+    if staging:
+        buffers[buffer][: bucket.nbytes].copy_(payload)
+        torch.cuda.current_stream().synchronize()
+    done = stream.announce(index, buffer, bucket.nbytes)
+    stream.apply(index, Payload(buffers[buffer][: bucket.nbytes]))
+    return InUse(done=done, release=partial(free.append, buffer))
 
 
 def take(stream: Stream) -> tuple[int, int]:

@@ -86,6 +86,8 @@ class Route:
     """The load's board: where failures are announced and every wait looks."""
     page_cache: bool
     """This rank's node is its reader's and takes its slices out of the page cache."""
+    striped: bool = False
+    """Every node leader reads a share of the buckets (:mod:`megastart.loader.stripes`)."""
 
     @property
     def node(self) -> tuple[int, ...]:
@@ -125,6 +127,7 @@ def open_route(
     backend: str,
     device: torch.device,
     board: Board,
+    striped: bool = False,
 ) -> Route:
     """Open every process group the stream needs (collective over WORLD); this rank's route.
 
@@ -132,9 +135,11 @@ def open_route(
     :param node_keys: every global rank's node key.
     :param receiver_sets: per reader group, the distinct :attr:`Bucket.positions` of its plan.
     :param page_cache: per global rank, whether it may take its slices out of the page
-        cache; a reader's node does if all its ranks may.
+        cache; a reader's node does if all its ranks may (never with striped readers).
     :param backend: the backend between node leaders.
     :param board: the load's board, which every channel's waits watch.
+    :param striped: each bucket is read by a leader of a node that needs it
+        (``receiver_sets`` without the reader, :func:`~megastart.loader.stripes.stripe`).
     """
     import torch
     import torch.distributed as dist
@@ -149,7 +154,7 @@ def open_route(
             leader_sets += [everyone, *sorted(reached - {everyone})]
     between = open_receiver_groups(leader_sets, own, backend=backend)
     cached = [
-        all(page_cache[group[p]] for p in its_nodes.members[0])
+        not striped and all(page_cache[group[p]] for p in its_nodes.members[0])
         for group, its_nodes in zip(groups, nodes, strict=True)
     ]
     node_sets = [
@@ -174,6 +179,7 @@ def open_route(
         done=None,
         board=board,
         page_cache=cached[index] and position in its_nodes.members[0],
+        striped=striped,
     )
     mine = tuple(group[p] for p in route.node)
     if len(its_nodes.members) > 1 and route.leads:
@@ -181,7 +187,7 @@ def open_route(
         everyone = tuple(group[p] for p in its_nodes.leaders)
         route.leaders = Channel(between[everyone], group[0], wire, between, board)
     if len(mine) > 1 and not route.page_cache:
-        sender = "the reader" if mine[0] == group[0] else "the node leader"
+        sender = "the reader" if mine[0] == group[0] and not striped else "the node leader"
         route.local = Channel(headers[mine], mine[0], torch.device("cpu"), {}, board, sender)
         route.done = done[mine]
     return route

@@ -12,9 +12,14 @@ BUCKET_MB_RANGE = (0.01, 1024.0)
 
 @dataclass(kw_only=True, slots=True)
 class Rank0LoaderSettings:
-    reader: Literal["global", "node"] = "global"
+    reader: Literal["global", "node", "striped", "auto"] = "global"
     """``global``: global rank 0 reads, the checkpoint is read once per job;
-    ``node``: local rank 0 of each node reads for its node."""
+    ``node``: local rank 0 of each node reads for its node (the checkpoint once per node);
+    ``striped``: every node leader reads a share of the buckets, each bucket once per job,
+    and sends it to the other nodes that need it (:mod:`megastart.loader.stripes`): the
+    job's cold read bandwidth is the sum of its readers' storage clients;
+    ``auto``: ``striped`` when the job spans several nodes, else ``global``. On one node
+    all four read the same way (``node`` and ``striped`` as ``global``)."""
 
     transport: Literal["auto", "nccl", "gloo"] = "auto"
     """The backend between node leaders, in process groups of the loader's own

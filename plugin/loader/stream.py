@@ -31,10 +31,7 @@ from megastart.loader.plan import Bucket, Need, Plan, Slot
 from megastart.loader.route import Route
 from megastart.loader.shm import Segment, node_segment
 from megastart.loader.transforms import TRANSFORMS, Shard
-from megastart.loader.transport import (
-    IN_FLIGHT,
-    slot_view,
-)
+from megastart.loader.transport import IN_FLIGHT, Channel, slot_view
 from megastart.loader.verify import Coverage
 
 if TYPE_CHECKING:
@@ -118,11 +115,14 @@ class Stream:
         members = self.route.members
         self.route.board.wait_work(work, f"the reports of node ranks {members} that they {what}")
 
-    def fail(self, message: str, frontier: Frontier | None = None) -> None:
-        """Pass the reader's failure on: to the other leaders (the reader), and to this node's
-        ranks while they still wait for an announcement (or poll the ``frontier``)."""
-        if self.route.position == 0 and self.route.leaders is not None:
-            self.route.leaders.send_error(message)
+    def fail(
+        self, message: str, frontier: Frontier | None = None, *, leaders: Channel | None = None
+    ) -> None:
+        """Pass a reader's failure on: to the other leaders (from the reader, over ``leaders``),
+        and to this node's ranks while they still wait for an announcement (or poll the
+        ``frontier``)."""
+        if leaders is not None:
+            leaders.send_error(message)
         if frontier is not None:
             frontier.fail(message)
         elif self.route.local is not None and self._announced < len(self.local):
@@ -136,16 +136,24 @@ class Stream:
 
         size = self.plan.max_bucket_bytes
         pin = self.route.device.type == "cuda"
+        count = self.buffer_count
         if self.route.local is None:
-            yield [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(BUFFERS)]
+            yield [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(count)]
             return
-        with self.segment(BUFFERS * size) as segment:
+        with self.segment(count * size) as segment:
             if pin:
                 segment.pin()
             assert segment.tensor is not None
             # The leader's buffer size: a rank whose plan differs learns it from the first header.
-            size = segment.nbytes // BUFFERS
-            yield [segment.tensor[i * size : (i + 1) * size] for i in range(BUFFERS)]
+            size = segment.nbytes // count
+            yield [segment.tensor[i * size : (i + 1) * size] for i in range(count)]
+
+    @property
+    def buffer_count(self) -> int:
+        """The node's bucket buffers: :data:`BUFFERS`, and as many again for a striped reader's
+        read-ahead (its reads and the buckets it receives take turns in separate buffers, so
+        neither waits for the other's)."""
+        return 2 * BUFFERS if self.route.striped else BUFFERS
 
     @contextmanager
     def frontier(self) -> Iterator[Frontier | None]:

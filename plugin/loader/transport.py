@@ -44,7 +44,7 @@ import socket
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from megastart.distributed import Board, CollectiveError, OwnGroups
@@ -87,8 +87,9 @@ def node_key() -> tuple[str, int]:
 
 
 def reader_groups(reader: str, keys: Sequence[tuple[str, int]]) -> list[list[int]]:
-    """Global ranks of each reader group, the reader first: one group, or one per node."""
-    if reader == "global":
+    """Global ranks of each reader group, the reader first: one group, or one per node
+    (``reader=node``)."""
+    if reader != "node":
         return [list(range(len(keys)))]
     by_node: dict[tuple[str, int], list[int]] = {}
     for rank, key in enumerate(keys):
@@ -130,6 +131,10 @@ class Channel:
     """The load's board: where failures are announced and waits look."""
     sender: str = "the reader"
     """Who ``src`` is, for messages: the reader, or a node leader passing buckets on."""
+
+    def sent_by(self, src: int) -> Channel:
+        """The same groups with ``src`` sending (striped readers: each bucket's reader)."""
+        return replace(self, src=src, sender="the bucket's reader")
 
     def send(self, payload: torch.Tensor, ranks: tuple[int, ...]) -> dist.Work | None:
         """Announce ``payload`` to the whole group, then start its broadcast to ``ranks``.
@@ -252,7 +257,8 @@ Fetched = TypeVar("Fetched")
 
 
 class Prefetcher(Generic[Fetched]):
-    """Fetches the plan's buckets in a background thread, ahead of the sender.
+    """Fetches the plan's buckets (or those of ``indices``) in a background thread, ahead of
+    the sender.
 
     ``fetch(index, buffer, pool)`` reads bucket ``index`` of the plan, using buffer
     ``buffer`` (if it needs one) and ``pool``'s threads, and returns what the sender
@@ -271,9 +277,10 @@ class Prefetcher(Generic[Fetched]):
         buffers: int,
         *,
         board: Board,
+        indices: Sequence[int] | None = None,
     ) -> None:
         self._reader = reader
-        self._plan = plan
+        self._indices = range(len(plan.buckets)) if indices is None else indices
         self._fetch = fetch
         self._board = board
         self._closed = threading.Event()
@@ -327,7 +334,7 @@ class Prefetcher(Generic[Fetched]):
 
     def _run(self) -> None:
         try:
-            for index in range(len(self._plan.buckets)):
+            for index in self._indices:
                 free = self._free.get()
                 if free is None or self._closed.is_set():
                     return

@@ -109,6 +109,23 @@ def load_as_nodes(
         return load_and_forward(checkpoint, layout, overrides, **config_overrides)
 
 
+def load_parameters_as_nodes(
+    checkpoint: str, layout: dict[str, int], ranks_per_node: int, overrides: dict[str, Any]
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The load report and this rank's loaded parameters (every chunk's, by name), on nodes of
+    ``ranks_per_node`` ranks."""
+    from megastart import load_hf_checkpoint
+
+    with simulated_nodes(ranks_per_node), megatron(layout):
+        chunks = build(checkpoint)
+        report = load_hf_checkpoint(chunks, checkpoint, settings=settings(**overrides))
+        return report, {
+            f"{i}.{name}": p.detach().clone()
+            for i, chunk in enumerate(chunks)
+            for name, p in chunk.named_parameters()
+        }
+
+
 @contextmanager
 def simulated_nodes(ranks_per_node: int):
     """``LOCAL_RANK`` as on nodes of ``ranks_per_node`` consecutive ranks (the loader's node key)."""
@@ -141,9 +158,9 @@ def load_expecting_error(
 
 
 @contextmanager
-def reader_storage_fails(good_reads: int, failure: Any):
-    """On rank 0, ``failure(entry)`` runs instead of (a raise) or before (a stall) every read of
-    the storage after ``good_reads``: into a buffer (``read_exact``) or into the page cache
+def reader_storage_fails(good_reads: int, failure: Any, rank: int = 0):
+    """On ``rank``, ``failure(entry)`` runs instead of (a raise) or before (a stall) every read
+    of the storage after ``good_reads``: into a buffer (``read_exact``) or into the page cache
     (``pagecache.populate``), whichever route the load takes."""
     import torch.distributed as dist
 
@@ -162,7 +179,7 @@ def reader_storage_fails(good_reads: int, failure: Any):
 
         return read
 
-    if dist.get_rank() == 0:
+    if dist.get_rank() == rank:
         checkpoint_module.read_exact, pagecache.populate = map(wrap, originals)
     try:
         yield
@@ -176,14 +193,15 @@ def load_with_failing_reads(
     good_reads: int,
     ranks_per_node: int | None = None,
     overrides: dict[str, Any] | None = None,
+    reader: int = 0,
 ) -> str:
-    """Inject an I/O error into the reader's file reads after ``good_reads`` reads."""
+    """Inject an I/O error into the file reads of rank ``reader`` after ``good_reads`` reads."""
     import torch.distributed as dist
 
     def fail(entry: Any) -> None:
         raise OSError(5, "Input/output error", entry.file)
 
-    with reader_storage_fails(good_reads, fail):
+    with reader_storage_fails(good_reads, fail, reader):
         with simulated_nodes(ranks_per_node or dist.get_world_size()):
             return load_expecting_error(checkpoint, layout, overrides or {})
 
