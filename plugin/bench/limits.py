@@ -8,8 +8,11 @@ files in the page cache or, after :func:`drop_from_page_cache`, off the storage.
 from __future__ import annotations
 
 import os
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 _READ_CHUNK = 64 * 2**20
 
@@ -65,3 +68,50 @@ def broadcast_throughput(nbytes: int, repeats: int = 3) -> float:
         dist.barrier()
         best = min(best, time.perf_counter() - start)
     return best
+
+
+class ReadCap:
+    """One process's storage bandwidth, capped as a parallel file system caps one client's
+    (``bench loader --read-gbps``): each read of ``n`` bytes waits for its turn, and then for
+    ``n / rate``, whatever the page cache holds (simulated nodes share one page cache; real
+    ones do not)."""
+
+    def __init__(self, gbps: float) -> None:
+        self._bytes_per_s = gbps * 1e9
+        self._lock = threading.Lock()
+        self._free_at = 0.0
+
+    def charge(self, nbytes: int) -> None:
+        """Wait until this process's client has carried ``nbytes`` more (threads take turns)."""
+        with self._lock:
+            now = time.monotonic()
+            self._free_at = max(now, self._free_at) + nbytes / self._bytes_per_s
+            wait = self._free_at - now
+        time.sleep(wait)
+
+
+@contextmanager
+def megastart_reads_capped(cap: ReadCap | None) -> Iterator[None]:
+    """megastart's two reads of the storage (into a buffer, into the page cache) charged to
+    ``cap`` while in the block (nothing with ``None``)."""
+    from megastart.loader import pagecache
+    from megastart.loader.checkpoint import reader
+
+    if cap is None:
+        yield
+        return
+    originals = reader.read_exact, pagecache.populate
+
+    def capped(original: Callable[..., None], size: Callable[..., int]) -> Callable[..., None]:
+        def read(*args: Any) -> None:
+            cap.charge(size(*args))
+            original(*args)
+
+        return read
+
+    reader.read_exact = capped(reader.read_exact, lambda fd, entry, out, directory: len(out))
+    pagecache.populate = capped(pagecache.populate, lambda entry, data, offset, length: length)
+    try:
+        yield
+    finally:
+        reader.read_exact, pagecache.populate = originals

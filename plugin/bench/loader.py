@@ -42,6 +42,8 @@ STRATEGIES = ("megastart", "megastart_shm", "every_rank_full", "stage_reader", "
 OPTIONAL_STRATEGIES = ("megastart_registry",)
 """Strategies run only when asked for: ``megastart_registry`` needs Megatron-Bridge."""
 KNOWN_STRATEGIES = STRATEGIES + OPTIONAL_STRATEGIES
+READERS = ("global", "node", "striped", "auto")
+"""The ``rank0_loader.reader`` settings ``--readers`` takes."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,6 +82,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=",".join(STRATEGIES),
         help=f"comma-separated subset of {','.join(KNOWN_STRATEGIES)} "
         "(megastart is always run; megastart_registry maps through Megatron-Bridge's registry)",
+    )
+    parser.add_argument(
+        "--readers",
+        default=None,
+        help="run megastart once per rank0_loader.reader setting in this comma-separated list "
+        f"of {','.join(READERS)}, as rows megastart[global], ... (default: once, as 'megastart', "
+        "with reader=global)",
+    )
+    parser.add_argument(
+        "--read-gbps",
+        type=float,
+        default=None,
+        help="cap each process's reads of the checkpoint files at this many GB/s, as a parallel "
+        "file system caps each client (default: no cap); with --ranks-per-node, shows what "
+        "several readers gain",
     )
     parser.add_argument(
         "--bucket-mb",
@@ -122,7 +139,9 @@ def run(args: argparse.Namespace) -> int:
         args.ranks_per_node < 1 or args.ranks % args.ranks_per_node
     ):
         raise SystemExit(f"--ranks-per-node {args.ranks_per_node} must divide --ranks {args.ranks}")
-    chosen = _chosen_strategies(args.strategies)
+    chosen = _chosen_strategies(args.strategies, args.readers)
+    if args.read_gbps is not None and not args.read_gbps > 0:
+        raise SystemExit(f"--read-gbps must be a positive number of GB/s, got {args.read_gbps}")
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
     conditions = ("cold", "warm") if args.page_cache == "both" else (args.page_cache,)
@@ -140,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
             timeout_s=args.timeout_s,
             device=args.device,
             ranks_per_node=args.ranks_per_node,
+            read_gbps=args.read_gbps,
         )
     results = runs[0].record()
     for other in runs[1:]:
@@ -164,14 +184,27 @@ def run(args: argparse.Namespace) -> int:
     return 1 if mismatched else 0
 
 
-def _chosen_strategies(text: str) -> tuple[str, ...]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
+def _chosen_strategies(text: str, readers: str | None) -> tuple[str, ...]:
+    """The strategies to run, in the report's order; ``megastart`` once per reader of
+    ``readers`` (as ``megastart[reader]``) if given."""
+    names = _names(text)
     unknown = sorted(set(names) - set(KNOWN_STRATEGIES))
     if unknown:
         raise SystemExit(
             f"--strategies: unknown {unknown}; choose from {', '.join(KNOWN_STRATEGIES)}"
         )
-    return tuple(n for n in KNOWN_STRATEGIES if n == "megastart" or n in names)
+    ours = ("megastart",)
+    if readers is not None:
+        chosen = _names(readers)
+        wrong = sorted(set(chosen) - set(READERS)) or ([] if chosen else ["(none)"])
+        if wrong:
+            raise SystemExit(f"--readers: unknown {wrong}; choose from {', '.join(READERS)}")
+        ours = tuple(f"megastart[{r}]" for r in dict.fromkeys(chosen))
+    return ours + tuple(n for n in KNOWN_STRATEGIES if n != "megastart" and n in names)
+
+
+def _names(text: str) -> list[str]:
+    return [n.strip() for n in text.split(",") if n.strip()]
 
 
 def _make_checkpoint(arch: str, size_gb: float, directory: Path) -> Path:

@@ -20,6 +20,7 @@ from megastart.bench.loader_results import (
     MemoryFigures,
     Sampling,
     StrategyResult,
+    megastart_row,
     targets,
 )
 
@@ -40,9 +41,10 @@ def measure(
     timeout_s: float = 600.0,
     device: str = "cpu",
     ranks_per_node: int | None = None,
+    read_gbps: float | None = None,
 ) -> list[ConditionResult]:
     """Run the limits and every strategy, once per page-cache condition; one result per
-    condition."""
+    condition. ``read_gbps`` caps each process's reads of the files."""
     from megastart.bench import limits
     from megastart.bench.strategies import checkpoint_files
     from megastart.loader.checkpoint import read_metadata
@@ -82,6 +84,7 @@ def measure(
                 load_average_at_start=os.getloadavg()[0],
             ),
             megastart_settings=options,
+            read_gbps=read_gbps,
         )
         for condition in page_caches
     }
@@ -109,6 +112,7 @@ def measure(
             timeout_s=timeout_s,
             device=device,
             ranks_per_node=ranks_per_node or layout.ranks,
+            read_gbps=read_gbps,
         )
         broadcasts.append(broadcast_s)
         for condition, result in measured.items():
@@ -134,7 +138,7 @@ def measure(
             page_cache_read_gbps=cached_read[0] / cached_read[1] / 1e9,
         )
         run.machine.load_average_at_end = os.getloadavg()[0]
-        reference = run.strategies["megastart"].checksums
+        reference = run.strategies[megastart_row(run.strategies)].checksums
         for result in run.strategies.values():
             result.weights_match_megastart = result.checksums == reference
         run.targets = targets(run)
@@ -155,6 +159,7 @@ def _measure_strategy(
     timeout_s: float,
     device: str,
     ranks_per_node: int,
+    read_gbps: float | None,
 ) -> tuple[dict[str, StrategyResult], float]:
     """One strategy in a fresh world, so no strategy inherits another's heap or state.
 
@@ -179,15 +184,16 @@ def _measure_strategy(
         pool.run(strategies.build_model, str(checkpoint), asdict(layout), device)
         for condition, before in before_load.items():
             reads(condition)
-            memory = _measure_memory(pool, pids, name, str(checkpoint), options, sample_s, before)
+            load = partial(strategies.load, name, str(checkpoint), options, read_gbps)
+            memory = _measure_memory(pool, pids, load, sample_s, before)
             walls = []
             for _ in range(repeats):
                 pool.run(strategies.settle)
                 before()
-                per_rank = pool.run(strategies.load, name, str(checkpoint), options)
+                per_rank = pool.run(load)
                 walls.append(max(r["wall_s"] for r in per_rank))
             measured[condition] = StrategyResult(
-                implementation=strategies.IMPLEMENTATIONS[name],
+                implementation=strategies.implementation(name),
                 wall_s=min(walls),
                 wall_s_runs=walls,
                 checksums=pool.run(strategies.checksum),
@@ -200,13 +206,12 @@ def _measure_strategy(
 def _measure_memory(
     pool: Any,
     pids: list[int],
-    name: str,
-    checkpoint: str,
-    options: dict[str, Any],
+    load: Callable[[], dict[str, Any]],
     sample_s: float,
     before_load: Callable[[], None],
 ) -> MemoryFigures:
-    """One load with the node's PSS sampled throughout and the ranks' kernel peak RSS."""
+    """One ``load`` (a rank function) with the node's PSS sampled throughout and the ranks'
+    kernel peak RSS."""
     from megastart.bench import strategies
     from megastart.bench.memory import (
         PssSampler,
@@ -221,7 +226,7 @@ def _measure_memory(
     for pid in pids:
         reset_peak_rss(pid)
     with PssSampler(pids, period_s=sample_s, file_every=1) as sampler:
-        per_rank = pool.run(strategies.load, name, checkpoint, options)
+        per_rank = pool.run(load)
     rank_peaks = [peak_rss_bytes(pid) for pid in pids]
     pool.run(strategies.settle)
     steady = node_pss_bytes(pids)

@@ -3,7 +3,7 @@ measured next to it, the targets, and how each figure was measured."""
 
 from __future__ import annotations
 
-from megastart.bench.loader_results import ConditionResult
+from megastart.bench.loader_results import ConditionResult, megastart_row
 
 PAGE_CACHE = {
     "cold": "dropped before every load and every read of the limits (POSIX_FADV_DONTNEED)",
@@ -18,7 +18,8 @@ def render(run: ConditionResult) -> str:
     lim = run.limits
     assert lim is not None
     strategies = run.strategies
-    ours = strategies["megastart"]
+    reference = megastart_row(strategies)
+    ours = strategies[reference]
     cold = run.page_cache == "cold"
     cuda = run.device == "cuda"
     nodes = layout.ranks // run.ranks_per_node
@@ -33,14 +34,14 @@ def render(run: ConditionResult) -> str:
         f"(load average {run.machine.load_average_at_start:.1f} at the start, "
         f"{run.machine.load_average_at_end:.1f} at the end)",
         "",
-        f"{'strategy':<18} {'wall s':>7} {'x ms':>6} {'node peak GB':>13} {'transient GB':>13} "
+        f"{'strategy':<19} {'wall s':>7} {'x ms':>6} {'node peak GB':>13} {'transient GB':>13} "
         f"{'x ms':>6} {'rank peaks GB':>14} {'read GB':>8} {'x ckpt':>7}"
         + (f" {'GPU extra GB':>13}" if cuda else "")
         + "  weights = megastart",
     ]
     for name, s in strategies.items():
         lines.append(
-            f"{name:<18} {s.wall_s:>7.2f} {s.wall_s / ours.wall_s:>6.2f} "
+            f"{name:<19} {s.wall_s:>7.2f} {s.wall_s / ours.wall_s:>6.2f} "
             f"{s.node_peak_bytes / gb:>13.2f} {s.transient_bytes / gb:>13.3f} "
             f"{s.transient_bytes / max(ours.transient_bytes, 1):>6.1f} "
             f"{s.rank_peaks_transient_bytes / gb:>14.3f} "
@@ -49,15 +50,23 @@ def render(run: ConditionResult) -> str:
             + f"  {'yes' if s.weights_match_megastart else 'NO'} ({len(s.checksums)} ranks)"
         )
     if nodes > 1:
+        lines += [""] + [
+            f"{name} sent {s.bytes_between_nodes / gb:.3f} GB between the nodes "
+            f"({s.bytes_between_nodes / run.checkpoint_bytes:.2f}x the checkpoint): "
+            "each bucket once to each other node that needs it."
+            for name, s in strategies.items()
+            if name.split("[")[0] == "megastart"
+        ]
+    if run.read_gbps:
         lines += [
             "",
-            f"megastart sent {ours.bytes_between_nodes / gb:.3f} GB between the nodes "
-            f"({ours.bytes_between_nodes / run.checkpoint_bytes:.2f}x the checkpoint): "
-            "each bucket once to each other node that needs it.",
+            f"--read-gbps {run.read_gbps:g}: every process's reads of the files were capped at "
+            f"{run.read_gbps:g} GB/s, as a parallel file system caps each client (one reader "
+            f"needs {run.checkpoint_bytes / gb / run.read_gbps:.2f} s for the checkpoint).",
         ]
     lines += [
         "",
-        "x ms: ratio to megastart's figure. Limits measured in this run (the best of "
+        f"x ms: ratio to {reference}'s figure. Limits measured in this run (the best of "
         f"{lim.measurements} reads and {lim.measurements} broadcasts, taken next to the"
         " strategies): one reader "
         f"reads the files {'off the storage ' if cold else ''}at {lim.read_gbps:.2f} GB/s "
@@ -82,7 +91,7 @@ def render(run: ConditionResult) -> str:
             f"{target.what}"
         )
     lines += ["", "implementations:"]
-    lines += [f"  {name:<18} {s.implementation}" for name, s in strategies.items()]
+    lines += [f"  {name:<19} {s.implementation}" for name, s in strategies.items()]
     samplers = [s.sampler for s in strategies.values()]
     lines += [
         "",

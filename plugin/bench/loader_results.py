@@ -11,6 +11,8 @@ TARGETS = {
     "transient_below_every_rank_full": "megastart's transient node memory >= 8x below every_rank_full's",
     "transient_vs_mmap_slices": "megastart's transient node memory <= mmap_slices'",
     "wall_vs_fastest": "megastart's wall time <= {bound}x the fastest strategy's",
+    "striped_vs_global": "megastart[striped]'s wall time <= {bound}x megastart[global]'s",
+    "striped_bytes_read": "megastart[striped]'s bytes read = the checkpoint's size",
 }
 
 WALL_VS_FASTEST = {"cold": 1.2, "warm": 1.5}
@@ -137,6 +139,8 @@ class ConditionResult:
     checkpoint_files: int
     machine: Machine
     megastart_settings: dict[str, Any]
+    read_gbps: float | None = None
+    """Each process's cap on its reads of the files (``--read-gbps``; ``None``: none)."""
     strategies: dict[str, StrategyResult] = field(default_factory=dict)
     limits: Limits | None = None
     targets: dict[str, Target] = field(default_factory=dict)
@@ -146,10 +150,20 @@ class ConditionResult:
         return asdict(self) | {"layout": self.layout.record()}
 
 
+STRIPED_VS_GLOBAL = 0.35
+"""The striped readers' wall time against the global reader's, on several nodes."""
+
+
+def megastart_row(strategies: dict[str, Any]) -> str:
+    """The row the others are compared with: ``megastart``, or with ``--readers`` the first
+    of its ``megastart[reader]`` rows."""
+    return next(name for name in strategies if name.split("[")[0] == "megastart")
+
+
 def targets(run: ConditionResult) -> dict[str, Target]:
     """megastart's figures against the other strategies' (reported, not asserted)."""
     strategies = run.strategies
-    ours = strategies["megastart"]
+    ours = strategies[megastart_row(strategies)]
     fastest = min(s.wall_s for s in strategies.values())
     wall_bound = WALL_VS_FASTEST[run.page_cache]
     ratios: dict[str, tuple[float, str, float]] = {
@@ -162,6 +176,10 @@ def targets(run: ConditionResult) -> dict[str, Target]:
     if "mmap_slices" in strategies:
         versus = ours.transient_bytes / max(strategies["mmap_slices"].transient_bytes, 1)
         ratios["transient_vs_mmap_slices"] = (versus, "<=", 1.0)
+    striped, one = strategies.get("megastart[striped]"), strategies.get("megastart[global]")
+    if striped is not None and one is not None and run.ranks_per_node < run.layout.ranks:
+        ratios["striped_vs_global"] = (striped.wall_s / one.wall_s, "<=", STRIPED_VS_GLOBAL)
+        ratios["striped_bytes_read"] = (striped.bytes_read / run.checkpoint_bytes, "==", 1.0)
     out = {}
     for key, (value, op, bound) in ratios.items():
         met = {

@@ -14,6 +14,10 @@ only how the bytes get from the files to the ranks differs:
 * ``stage_reader``: tensor-parallel rank 0 reads its stage, then scatters.
 * ``mmap_slices``: every rank reads only its slices from the mmapped files.
 
+``megastart[R]`` is megastart with ``reader=R`` (``bench loader --readers``). With
+``--read-gbps`` every strategy's reads of the files are capped per process
+(:class:`~megastart.bench.limits.ReadCap`), as a parallel file system caps each client.
+
 The rank process keeps the model it built between calls (:data:`_STATE`), since
 the benchmark builds, loads, measures and checksums in separate pool runs.
 """
@@ -104,15 +108,23 @@ def build_model(checkpoint: str, layout: dict[str, Any], device: str = "cpu") ->
     _STATE.update(chunks=chunks, meta=meta, device=device)
 
 
-def load(strategy: str, checkpoint: str, megastart_options: dict[str, Any]) -> dict[str, Any]:
+def load(
+    strategy: str,
+    checkpoint: str,
+    megastart_options: dict[str, Any],
+    read_gbps: float | None = None,
+) -> dict[str, Any]:
     """Load with ``strategy``, timed between two barriers: wall seconds, bytes this rank read,
     bytes sent between nodes (megastart's report; on rank 0), and on CUDA the GPU memory the
     load allocated beyond the parameters (peak).
 
     :param megastart_options: ``Rank0LoaderSettings`` fields for the ``megastart`` strategy.
+    :param read_gbps: this process's storage bandwidth, in GB/s (``None``: the machine's).
     """
     import torch
     import torch.distributed as dist
+
+    from megastart.bench.limits import ReadCap, megastart_reads_capped
 
     chunks = _STATE["chunks"]
     on_cuda = _STATE["device"] == "cuda"
@@ -121,12 +133,15 @@ def load(strategy: str, checkpoint: str, megastart_options: dict[str, Any]) -> d
         torch.cuda.reset_peak_memory_stats()
         gpu_before = torch.cuda.memory_allocated()
     bridge = _bridge(checkpoint) if strategy == "megastart_registry" else None
+    _STATE["cap"] = cap = ReadCap(read_gbps) if read_gbps else None
+    routed = megastart_route(strategy)
     dist.barrier()
     start = time.perf_counter()
     between_nodes = 0
-    if strategy in MEGASTART_ROUTES:
-        options = megastart_options | MEGASTART_ROUTES[strategy]
-        bytes_read, between_nodes = _megastart(chunks, checkpoint, options, bridge)
+    if routed is not None:
+        with megastart_reads_capped(cap):
+            options = megastart_options | routed
+            bytes_read, between_nodes = _megastart(chunks, checkpoint, options, bridge)
     else:
         bytes_read = _BASELINES[strategy](chunks, checkpoint)
     if on_cuda:
@@ -140,6 +155,23 @@ def load(strategy: str, checkpoint: str, megastart_options: dict[str, Any]) -> d
         "bytes_between_nodes": between_nodes,
         "gpu_peak_extra_bytes": gpu_extra,
     }
+
+
+def megastart_route(strategy: str) -> dict[str, Any] | None:
+    """The settings a megastart strategy adds (``megastart[node]``: ``reader=node``), or ``None``
+    for a baseline."""
+    base, _, reader = strategy.partition("[")
+    if base not in MEGASTART_ROUTES:
+        return None
+    return MEGASTART_ROUTES[base] | ({"reader": reader.removesuffix("]")} if reader else {})
+
+
+def implementation(strategy: str) -> str:
+    """What ``strategy`` runs, for the report."""
+    base, _, reader = strategy.partition("[")
+    if not reader:
+        return IMPLEMENTATIONS[base]
+    return IMPLEMENTATIONS[base].replace("reader=global", f"reader={reader.removesuffix(']')}")
 
 
 def _bridge(checkpoint: str) -> Any:
@@ -206,6 +238,7 @@ def _every_rank_full(chunks: list[Any], checkpoint: str) -> int:
             for name in f.keys():
                 # A private copy, as the HF model from_pretrained built on every rank held.
                 state[name] = f.get_tensor(name).clone()
+                _storage_read(state[name].nbytes)
     for needs, shard in _needs_by_chunk(chunks):
         for need in needs:
             _write(need, _pieces(need, [state[n] for n in need.hf], shard))
@@ -298,6 +331,14 @@ class _ByteCounter:
     def add(self, nbytes: int) -> None:
         with self._lock:
             self.total += nbytes
+        _storage_read(nbytes)
+
+
+def _storage_read(nbytes: int) -> None:
+    """A baseline read ``nbytes`` of the files: charged to the process's cap (if any)."""
+    cap = _STATE.get("cap")
+    if cap is not None:
+        cap.charge(nbytes)
 
 
 class _FileSlice:
@@ -339,6 +380,7 @@ def _read_full_tensors(names: set[str]) -> dict[str, torch.Tensor]:
         with safe_open(os.path.join(meta.directory, file), framework="pt", device="cpu") as f:
             for name in file_names:
                 out[name] = f.get_tensor(name)
+                _storage_read(out[name].nbytes)
     return out
 
 

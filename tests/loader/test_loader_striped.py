@@ -16,8 +16,6 @@ import pytest
 import torch
 from support.loader_ranks import load_parameters_as_nodes, load_with_failing_reads
 
-from megastart.harness.launch import RankPool
-
 CASES: dict[str, tuple[str, dict[str, Any], int, dict[str, int], int]] = {
     # id: (arch, checkpoint overrides, world, layout, ranks per node)
     "llama_tp2_pp2_two_nodes_of_two": (
