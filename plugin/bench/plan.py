@@ -21,7 +21,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-HELP = "one rank's planning on a synthetic checkpoint: built-in table vs Megatron-Bridge's registry"
+HELP = (
+    "one rank's planning on a synthetic checkpoint: built-in table vs Megatron-Bridge's registry; "
+    "with --world, one rank of each role in a world of that many ranks"
+)
 
 MODELS: dict[str, dict[str, Any]] = {
     "deepseek-v3": dict(
@@ -46,6 +49,18 @@ MODELS: dict[str, dict[str, Any]] = {
         vocab_size=129280,
         tie_word_embeddings=False,
         quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
+    ),
+    "dense-70b": dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        tie_word_embeddings=False,
     ),
     "qwen3-235b-a22b": dict(
         architectures=["Qwen3MoeForCausalLM"],
@@ -73,6 +88,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (default: 1)")
     parser.add_argument("--bucket-mb", type=float, default=512.0, help="bucket size (default: 512)")
     parser.add_argument("--repeats", type=int, default=3, help="best of this many (default: 3)")
+    parser.add_argument(
+        "--world",
+        type=int,
+        default=None,
+        help="plan for a world of this many ranks instead: one rank of each role (reader, node "
+        "leader, member), with the whole world's demands as the all-gather hands them over",
+    )
+    parser.add_argument(
+        "--ranks-per-node", type=int, default=8, help="with --world: ranks per node (default: 8)"
+    )
     parser.add_argument("--json", help="also write the figures to this file")
 
 
@@ -80,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
     config = MODELS[args.model]
     meta = synthetic_checkpoint(config)
     layout = Layout(args.tp, args.pp, args.ep)
+    if args.world is not None:
+        return _run_world(args, config, meta, layout)
     params = rank_parameters(config, layout)
     results = {"model": args.model, "tensors": len(meta.tensors), "parameters": len(params)}
     results["layout"] = {"tp": args.tp, "pp": args.pp, "ep": args.ep}
@@ -97,6 +124,87 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as out:
             json.dump(results, out, indent=2)
     return 0
+
+
+def _run_world(args: argparse.Namespace, config: dict[str, Any], meta: Any, layout: Layout) -> int:
+    from megastart.bench.world import measure_world
+
+    world, per_node = args.world, args.ranks_per_node
+    stage = world // max(layout.pp, 1)
+    if world % (layout.tp * layout.pp) or stage % (layout.tp * layout.ep) or world % per_node:
+        raise SystemExit(
+            f"--world {world} must be a multiple of --tp x --pp ({layout.tp * layout.pp}) and of "
+            f"--ranks-per-node ({per_node}), with --tp x --ep ({layout.tp * layout.ep}) dividing a "
+            f"pipeline stage's {stage} ranks"
+        )
+    if _experts(config) % layout.ep:
+        raise SystemExit(f"--ep {layout.ep} must divide the model's {_experts(config)} experts")
+    results = {
+        "model": args.model,
+        "tensors": len(meta.tensors),
+        "world": world,
+        "ranks_per_node": per_node,
+        "layout": {"tp": layout.tp, "pp": layout.pp, "ep": layout.ep},
+    }
+    results |= measure_world(
+        world_demands(config, meta, layout, world),
+        meta,
+        ranks_per_node=per_node,
+        bucket_mb=args.bucket_mb,
+        repeats=args.repeats,
+    )
+    print(render_world(results))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(results, out, indent=2)
+    return 0
+
+
+def world_demands(config: dict[str, Any], meta: Any, layout: Any, world: int) -> list[Any]:
+    """Every rank's demands, in Megatron's rank order (TP fastest, then data/expert parallel,
+    then pipeline): rank ``r`` of stage ``r // (world / pp)`` and expert-parallel rank
+    ``(r // tp) % ep``."""
+    from megastart.loader.mappings import mapping_for
+    from megastart.loader.plan import resolve_needs
+
+    table = mapping_for(meta.architectures[0])
+    assert table is not None
+    shard = _shard(meta.config, layout)
+    per_stage = world // layout.pp
+    made: dict[tuple[int, int], list[Any]] = {}
+    by_rank = []
+    for rank in range(world):
+        key = (rank // per_stage, (rank // layout.tp) % layout.ep)
+        if key not in made:
+            params = rank_parameters(config, layout, *key)
+            needs = resolve_needs(params, table, meta, shard)
+            made[key] = [d for need in needs for d in need.demands()]
+        by_rank.append(made[key])
+    return by_rank
+
+
+def render_world(results: dict[str, Any]) -> str:
+    layout = results["layout"]
+    lines = [
+        f"{results['model']}: {results['tensors']:,} checkpoint tensors; {results['world']:,} "
+        f"ranks, {results['ranks_per_node']} per node, TP{layout['tp']} PP{layout['pp']} "
+        f"EP{layout['ep']}; the all-gathered demands: {results['demands_mb']:.1f} MB (pickled)",
+        f"  {'role':<7} {'rank':>6} {'plan s':>8} {'plan MB':>8} {'groups':>7} "
+        f"{'store req/s waiting (first 3 s, then)':>38}",
+    ]
+    for role, figures in results["roles"].items():
+        rps = figures["store_rps"]
+        lines.append(
+            f"  {role:<7} {figures['rank']:>6} {figures['plan_s']:>8.3f} {figures['plan_mb']:>8.1f} "
+            f"{figures['groups']:>7,} {rps['first']:>27.1f}, {rps['settled']:.1f}"
+        )
+    lines.append(
+        "  (reader=global, as by default; plan s: process CPU time from the gathered demands to "
+        "the stream's first byte, best of --repeats; plan MB: peak Python memory allocated, the "
+        "gathered demands included; groups: process groups each rank creates; store req/s: one "
+        "rank waiting at the board; the world's total is about that times the ranks waiting)"
+    )
+    return "\n".join(lines)
 
 
 def render(results: dict[str, Any]) -> str:
@@ -271,7 +379,8 @@ def hf_tensors(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]
             linear(p + "self_attn.k_proj.weight", kv * d, h)
             linear(p + "self_attn.v_proj.weight", kv * d, h)
             linear(p + "self_attn.o_proj.weight", h, heads * d)
-            out += [(p + f"self_attn.{n}_norm.weight", (d,), "bfloat16") for n in "qk"]
+            if _qk_norm(config):
+                out += [(p + f"self_attn.{n}_norm.weight", (d,), "bfloat16") for n in "qk"]
         experts = _experts(config)
         if i < config.get("first_k_dense_replace", 0) or not experts:
             mlp(p + "mlp.", config["intermediate_size"])
@@ -295,9 +404,12 @@ def hf_tensors(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]
     return out
 
 
-def rank_parameters(config: dict[str, Any], layout: Layout) -> list[Any]:
-    """Rank 0's parameters (first pipeline stage, first expert-parallel rank) for ``layout``,
-    with canonical names and local shapes; the last stage's head too when PP is 1."""
+def rank_parameters(
+    config: dict[str, Any], layout: Layout, stage: int = 0, expert_rank: int = 0
+) -> list[Any]:
+    """The parameters of a rank of pipeline stage ``stage`` and expert-parallel rank
+    ``expert_rank`` for ``layout``, with canonical names and local shapes: the embedding on
+    the first stage, the final norm and head on the last."""
     from megastart.loader.plan import ParamInfo
 
     h, tp = config["hidden_size"], layout.tp
@@ -305,13 +417,13 @@ def rank_parameters(config: dict[str, Any], layout: Layout) -> list[Any]:
     per_stage = -(-layers // layout.pp)
     heads = config["num_attention_heads"]
     vocab = -(-config["vocab_size"] // (128 * tp)) * 128 * tp
-    out: list[tuple[str, tuple[int, ...]]] = [
-        ("embedding.word_embeddings.weight", (vocab // tp, h))
-    ]
-    if layout.pp == 1:
+    out: list[tuple[str, tuple[int, ...]]] = []
+    if stage == 0:
+        out.append(("embedding.word_embeddings.weight", (vocab // tp, h)))
+    if stage == layout.pp - 1:
         out += [("decoder.final_layernorm.weight", (h,)), ("output_layer.weight", (vocab // tp, h))]
     experts = _experts(config)
-    for i in range(per_stage):
+    for i in range(stage * per_stage, min(layers, (stage + 1) * per_stage)):
         p = f"decoder.layers.{i}."
         out.append((p + "input_layernorm.weight", (h,)))
         a = p + "self_attention."
@@ -335,9 +447,9 @@ def rank_parameters(config: dict[str, Any], layout: Layout) -> list[Any]:
             out += [
                 (a + "linear_qkv.weight", ((heads + 2 * kv) * d // tp, h)),
                 (a + "linear_proj.weight", (h, heads * d // tp)),
-                (a + "q_layernorm.weight", (d,)),
-                (a + "k_layernorm.weight", (d,)),
             ]
+            if _qk_norm(config):
+                out += [(a + "q_layernorm.weight", (d,)), (a + "k_layernorm.weight", (d,))]
         out.append((p + "pre_mlp_layernorm.weight", (h,)))
         if i < config.get("first_k_dense_replace", 0) or not experts:
             inner = config["intermediate_size"] // tp
@@ -355,13 +467,19 @@ def rank_parameters(config: dict[str, Any], layout: Layout) -> list[Any]:
                 (p + "mlp.shared_experts.linear_fc2.weight", (h, inner)),
             ]
         inner = config["moe_intermediate_size"] // tp
-        for j in range(experts // layout.ep):
+        per_rank = experts // layout.ep
+        for j in range(expert_rank * per_rank, (expert_rank + 1) * per_rank):
             e = p + f"mlp.experts.local_experts.{j}."
             out += [
                 (e + "linear_fc1.weight", (2 * inner, h)),
                 (e + "linear_fc2.weight", (h, inner)),
             ]
     return [ParamInfo(0, name, name, shape, "bfloat16") for name, shape in out]
+
+
+def _qk_norm(config: dict[str, Any]) -> bool:
+    """Whether attention normalises queries and keys per head (Qwen3)."""
+    return str(config["model_type"]).startswith("qwen3")
 
 
 def _experts(config: dict[str, Any]) -> int:

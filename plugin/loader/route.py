@@ -117,6 +117,31 @@ class Route:
         return [i for i, bucket in enumerate(plan.buckets) if others.intersection(bucket.positions)]
 
 
+def group_sets(
+    groups: Sequence[Sequence[int]],
+    nodes: Sequence[Nodes],
+    receiver_sets: Sequence[Sequence[tuple[int, ...]]],
+    cached: Sequence[bool],
+) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """The global ranks of every group the stream makes (each ``new_group`` a collective over
+    WORLD, made by every rank): per reader group of several nodes, one of all its leaders and
+    one per other set of leaders a bucket reaches; and per node of several ranks that does not
+    take its slices out of the page cache (``cached``: the reader's node does), its ranks."""
+    leader_sets: list[tuple[int, ...]] = []
+    for group, its_nodes, sets in zip(groups, nodes, receiver_sets, strict=True):
+        if len(its_nodes.members) > 1:
+            everyone = tuple(group[p] for p in its_nodes.leaders)
+            reached = {tuple(group[p] for p in its_nodes.leaders_reached(s)) for s in sets}
+            leader_sets += [everyone, *sorted(reached - {everyone})]
+    node_sets = [
+        tuple(group[p] for p in node)
+        for group, its_nodes, reader_cached in zip(groups, nodes, cached, strict=True)
+        for node in its_nodes.members
+        if len(node) > 1 and not (reader_cached and node[0] == 0)
+    ]
+    return leader_sets, node_sets
+
+
 def open_route(
     groups: list[list[int]],
     node_keys: Sequence[object],
@@ -146,23 +171,12 @@ def open_route(
 
     rank = dist.get_rank()
     nodes = [Nodes.of([node_keys[r] for r in group]) for group in groups]
-    leader_sets: list[tuple[int, ...]] = []
-    for group, its_nodes, sets in zip(groups, nodes, receiver_sets, strict=True):
-        if len(its_nodes.members) > 1:
-            everyone = tuple(group[p] for p in its_nodes.leaders)
-            reached = {tuple(group[p] for p in its_nodes.leaders_reached(s)) for s in sets}
-            leader_sets += [everyone, *sorted(reached - {everyone})]
-    between = open_receiver_groups(leader_sets, own, backend=backend)
     cached = [
         not striped and all(page_cache[group[p]] for p in its_nodes.members[0])
         for group, its_nodes in zip(groups, nodes, strict=True)
     ]
-    node_sets = [
-        tuple(group[p] for p in node)
-        for group, its_nodes, reader_cached in zip(groups, nodes, cached, strict=True)
-        for node in its_nodes.members
-        if len(node) > 1 and not (reader_cached and node[0] == 0)
-    ]
+    leader_sets, node_sets = group_sets(groups, nodes, receiver_sets, cached)
+    between = open_receiver_groups(leader_sets, own, backend=backend)
     headers = open_receiver_groups(node_sets, own, backend="gloo")
     done = open_receiver_groups(node_sets, own, backend="gloo")
 

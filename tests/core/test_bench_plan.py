@@ -4,12 +4,15 @@ Megatron builds, checked here on small configs of the same families."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 from support.loader_ranks import parameter_shapes
 
 from megastart.bench.plan import Layout, hf_tensors, rank_parameters
+from megastart.cli import main
 from megastart.harness.launch import RankPool
 from megastart.loader.checkpoint import read_metadata
 
@@ -46,3 +49,19 @@ def test_synthetic_parameters_are_the_ones_megatron_builds(
     (built,) = rank_pools[1].run(parameter_shapes, directory, {})
     made = {p.name: p.shape for p in rank_parameters(config, Layout(1, 1, 1))}
     assert made == built
+
+
+def test_bench_plan_world_reports_each_role(tmp_path: Path) -> None:
+    """A world of 64 ranks on nodes of 8, planned in this process: every role's figures."""
+    out = tmp_path / "world.json"
+    arguments = ["bench", "plan", "--model=qwen3-235b-a22b", "--world=64", "--tp=4", "--pp=2"]
+    assert main([*arguments, "--ep=8", "--repeats=1", f"--json={out}"]) == 0
+    results = json.loads(out.read_text())
+    assert results["world"] == 64 and results["demands_mb"] > 0
+    assert list(results["roles"]) == ["reader", "leader", "member"]
+    assert [r["rank"] for r in results["roles"].values()] == [0, 8, 1]
+    for figures in results["roles"].values():
+        assert figures["plan_s"] > 0 and figures["plan_mb"] > 0
+        # the control group, a group among the 8 leaders, and each other node's two
+        assert figures["groups"] > 1 + 1 + 2 * 7
+        assert figures["store_rps"]["first"] > figures["store_rps"]["settled"] > 0

@@ -6,23 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-
-class CountingStore:
-    """A store that passes every request on and notes when it went (the instrument, not a
-    stand-in: the board under test talks to the real store through it)."""
-
-    def __init__(self, store: Any) -> None:
-        self._store = store
-        self.times: list[float] = []
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self._store, name)
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.times.append(time.monotonic())
-            return method(*args, **kwargs)
-
-        return counted
+from megastart.bench.world import CountingStore
 
 
 def wait_for_a_late_post(post_after_s: float) -> dict[str, Any]:

@@ -1,0 +1,175 @@
+"""``megastart bench plan --world N``: what one rank of each role does to plan a load in a
+world of ``N`` ranks, measured in one process without starting ``N`` of them.
+
+Every rank's demands are made as the ranks would make them (each distinct pipeline stage
+and expert-parallel rank's parameters resolved against the synthetic checkpoint; tensor-
+and data-parallel ranks share them), pickled as the planning phase's all-gather hands them
+to every rank, and then one rank of each role (the reader, rank 0; the leader of the second
+node; a member of the first node) runs what ``load_hf_checkpoint`` runs on it before the
+first byte moves, with the loader's own functions: the unused tensors, the plan, the
+receiver sets, the stream's process groups, and the stream's lookups of where each bucket
+goes. Figures per role: process CPU seconds (best of ``--repeats``), the peak of Python
+memory it allocated (``tracemalloc``, the gathered demands included), the process groups it
+creates (every ``new_group`` is made by every rank), and the store requests per second of a
+rank waiting at the board (the real :class:`~megastart.distributed.Board` wait, over a store
+of one process, counted as they go out), in the first seconds of a wait and once settled.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+import tracemalloc
+from collections.abc import Callable
+from typing import Any
+
+ROLES = ("reader", "leader", "member")
+
+WAIT_S = 6.0
+"""How long the store-request count waits at the board (past its settling, see
+:data:`megastart.distributed.board.SETTLE_S`)."""
+
+
+def measure_world(
+    demands_by_rank: list[Any],
+    meta: Any,
+    *,
+    ranks_per_node: int,
+    bucket_mb: float,
+    repeats: int,
+) -> dict[str, Any]:
+    """The figures of each role (``plan_s``, ``plan_mb``, ``groups``, ``store_rps``) and the
+    world's size (``demands_mb``: the all-gathered demands, as pickled).
+
+    :param demands_by_rank: every rank's demands (:meth:`~megastart.loader.plan.Need.demands`).
+    """
+    # Each rank pickles its own demands; every rank unpickles all of them.
+    gathered = [pickle.dumps(d) for d in demands_by_rank]
+    world = len(gathered)
+    keys = [("node", r - r % ranks_per_node) for r in range(world)]
+    roles = {"reader": 0, "leader": ranks_per_node, "member": 1}
+    if world == ranks_per_node:
+        del roles["leader"]
+    if ranks_per_node == 1:
+        del roles["member"]
+    rates = store_requests_per_second()
+    results: dict[str, Any] = {"demands_mb": sum(map(len, gathered)) / 2**20, "roles": {}}
+    for role, rank in roles.items():
+        work = _planning(gathered, meta, keys, rank, role, bucket_mb)
+        results["roles"][role] = {
+            "rank": rank,
+            "plan_s": _best_cpu(repeats, work),
+            "plan_mb": _peak_mb(work),
+            "groups": work()["groups"],
+            "store_rps": rates,
+        }
+    return results
+
+
+def _planning(
+    gathered: list[bytes],
+    meta: Any,
+    keys: list[tuple[str, int]],
+    rank: int,
+    role: str,
+    bucket_mb: float,
+) -> Callable[[], dict[str, Any]]:
+    """What ``load_hf_checkpoint`` computes on ``rank`` between the planning phase's all-gather
+    and the stream's first byte (``reader=global``, as today's default)."""
+    from megastart.loader.mappings import mapping_for
+    from megastart.loader.plan import build_plan, receiver_sets, unused_tensors
+    from megastart.loader.route import Nodes, group_sets
+
+    table = mapping_for(meta.architectures[0])
+
+    def work() -> dict[str, Any]:
+        by_rank = [pickle.loads(demands) for demands in gathered]
+        unused_tensors(by_rank, meta, table)
+        plan = build_plan(by_rank, meta, bucket_bytes=int(bucket_mb * 2**20))
+        sets = [receiver_sets(by_rank)]
+        nodes = Nodes.of(keys)
+        group = list(range(len(keys)))
+        leader_sets, node_sets = group_sets([group], [nodes], sets, [True])
+        node = nodes.node_of(rank)
+        if role == "member":  # Route.local_buckets: the buckets its leader announces
+            others = set(node[1:])
+            looked = sum(1 for b in plan.buckets if others.intersection(b.positions))
+        else:  # the reader's and the leaders' Route.leaders_for of every bucket
+            looked = sum(len(nodes.leaders_reached(b.positions)) for b in plan.buckets)
+        # the kept control group, the leaders' groups, each node's two (headers and reports)
+        made = sum(1 for ranks in leader_sets if len(ranks) > 1) + 2 * len(node_sets)
+        return {"groups": 1 + made, "looked": looked}
+
+    return work
+
+
+def _best_cpu(repeats: int, work: Callable[[], Any]) -> float:
+    best = float("inf")
+    for _ in range(max(1, repeats)):
+        start = time.process_time()
+        work()
+        best = min(best, time.process_time() - start)
+    return best
+
+
+def _peak_mb(work: Callable[[], Any]) -> float:
+    tracemalloc.start()
+    try:
+        work()
+        return tracemalloc.get_traced_memory()[1] / 2**20
+    finally:
+        tracemalloc.stop()
+
+
+def store_requests_per_second(wait_s: float = WAIT_S) -> dict[str, float]:
+    """Store requests per second of a rank waiting ``wait_s`` at a real :class:`Board` on a
+    peer that never answers: in the first :data:`~megastart.distributed.board.SETTLE_S`
+    seconds (``first``) and after (``settled``)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from megastart.distributed import Board
+    from megastart.distributed.board import SETTLE_S
+
+    started_here = not dist.is_initialized()
+    if started_here:
+        store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30))
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        board = Board("bench-plan")
+        board.timeout_s = wait_s + 60
+        counting = CountingStore(board._store)
+        board._store = counting
+        start = time.monotonic()
+        end = start + wait_s
+
+        def never(slice_s: float) -> bool:
+            time.sleep(min(slice_s, max(0.0, end - time.monotonic())))
+            return time.monotonic() >= end
+
+        board.wait(never, "nothing", peer=True)
+    finally:
+        if started_here:
+            dist.destroy_process_group()
+    first = sum(1 for t in counting.times if t < start + SETTLE_S) / SETTLE_S
+    settled = sum(1 for t in counting.times if t >= start + SETTLE_S) / (wait_s - SETTLE_S)
+    return {"first": first, "settled": settled}
+
+
+class CountingStore:
+    """A store that passes every request on and notes when it went (an instrument: the board
+    measured talks to the real store through it)."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self.times: list[float] = []
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._store, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.times.append(time.monotonic())
+            return method(*args, **kwargs)
+
+        return counted
