@@ -43,8 +43,12 @@ def measure_world(
 
     :param demands_by_rank: every rank's demands (:meth:`~megastart.loader.plan.Need.demands`).
     """
-    # Each rank pickles its own demands; every rank unpickles all of them.
-    gathered = [pickle.dumps(d) for d in demands_by_rank]
+    from megastart.loader.plan import packed
+
+    # Each rank packs its demands into what it shares (replicas the same bytes); every rank
+    # unpickles all of that.
+    packs = {id(d): packed(d, meta) for d in demands_by_rank}
+    gathered = [pickle.dumps((r, packs[id(d)])) for r, d in enumerate(demands_by_rank)]
     world = len(gathered)
     keys = [("node", r - r % ranks_per_node) for r in range(world)]
     roles = {"reader": 0, "leader": ranks_per_node, "member": 1}
@@ -77,13 +81,18 @@ def _planning(
     """What ``load_hf_checkpoint`` computes on ``rank`` between the planning phase's all-gather
     and the stream's first byte (``reader=global``, as today's default)."""
     from megastart.loader.mappings import mapping_for
-    from megastart.loader.plan import build_plan, receiver_sets, unused_tensors
+    from megastart.loader.plan import (
+        build_plan,
+        demands_once,
+        receiver_sets,
+        unused_tensors,
+    )
     from megastart.loader.route import Nodes, group_sets
 
     table = mapping_for(meta.architectures[0])
 
     def work() -> dict[str, Any]:
-        by_rank = [pickle.loads(demands) for demands in gathered]
+        by_rank = demands_once([pickle.loads(shared)[1] for shared in gathered], meta)
         unused_tensors(by_rank, meta, table)
         plan = build_plan(by_rank, meta, bucket_bytes=int(bucket_mb * 2**20))
         sets = [receiver_sets(by_rank)]

@@ -47,10 +47,12 @@ from megastart.loader.copier import Copier, copy_threads
 from megastart.loader.mappings import VALUE_HEAD, MappingTable
 from megastart.loader.model import UnsupportedArchitecture, local_needs, mapping_table
 from megastart.loader.plan import (
-    Demand,
     PlanError,
     build_plan,
+    demands_once,
+    distinct,
     left_to_host,
+    packed,
     receiver_sets,
     unused_tensors,
 )
@@ -80,8 +82,9 @@ class RankDemands(NamedTuple):
 
     node: tuple[str, int]
     """Its node (:func:`~megastart.loader.transport.node_key`)."""
-    demands: list[Demand]
-    """The HF tensors each of its parameters takes, and the parameter's dtype."""
+    demands: bytes
+    """The HF tensors each of its parameters takes, and the parameter's dtype
+    (:func:`~megastart.loader.plan.packed`: replicas send the same bytes, unpacked once)."""
     device: str
     """The device type of its parameters (``"cuda"``, ``"cpu"``)."""
     left_to_host: list[str]
@@ -278,10 +281,10 @@ def _load(
                 chunks, meta, table, value_model=value_model, bridge=bridge
             )
         except Untranslatable as e:  # the bridge loads, on every rank: agreed below
-            planned.share(RankDemands(node_key(), [], "", [], False, str(e)))
+            planned.share(RankDemands(node_key(), b"", "", [], False, str(e)))
         else:
             device = tensors[next(iter(tensors))].device if tensors else _cpu()
-            demands = [demand for need in needs for demand in need.demands()]
+            demands = packed([demand for need in needs for demand in need.demands()], meta)
             left = [p.name for p in left_to_host(params, needs)]
             planned.share(
                 RankDemands(node_key(), demands, device.type, left, pagecache.supported())
@@ -292,17 +295,18 @@ def _load(
         raise Untranslatable(untranslatable[0])
     if table is None:  # the bridge decided: what it leaves unread is only named, not refused
         table = _known_table(meta)
+    demands = demands_once([r.demands for r in by_rank], meta)
     nodes = [r.node for r in by_rank]
     groups = reader_groups(settings.reader, nodes)
     group = next(g for g in groups if rank in g)
     striped = settings.reader in ("striped", "auto") and len(set(nodes)) > 1
 
     with phase(f"{PLUGIN}: planning the buckets"):
-        unused = unused_tensors([r.demands for r in by_rank], meta, table, value_model=value_model)
+        unused = unused_tensors(demands, meta, table, value_model=value_model)
         if unused and settings.strict and bridge is None:
             raise PlanError(_unused_message(unused, checkpoint, strict=True))
         plan = build_plan(
-            [by_rank[r].demands for r in group],
+            [demands[r] for r in group],
             meta,
             bucket_bytes=int(settings.bucket_mb * 2**20),
             to_reader=not striped,
@@ -310,7 +314,7 @@ def _load(
         if striped:
             plan = stripe(plan, Nodes.of([nodes[r] for r in group]))
         sets = [
-            receiver_sets([by_rank[r].demands for r in members], to_reader=not striped)
+            receiver_sets([demands[r] for r in members], to_reader=not striped)
             for members in groups
         ]
         readers = (
@@ -379,7 +383,7 @@ def _load(
         bytes_broadcast=sum(m.bytes_broadcast for m in moved),
         seconds=time.perf_counter() - start,
         reader_ranks=readers,
-        tensors=len({name for r in by_rank for names, _ in r.demands for name in names}),
+        tensors=len({name for d in distinct(demands) for names, _ in d for name in names}),
         left_to_host=left_by_all,
     )
 

@@ -9,6 +9,7 @@ data out, testable on names and shapes alone.
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -267,7 +268,9 @@ def unused_tensors(
 ) -> list[str]:
     """Checkpoint tensors no rank uses (the table's ``ignored`` ones excepted, and for a
     value model the heads it did not take: the LM head of the causal LM it starts from)."""
-    consumed = {name for demands in demands_by_rank for names, _ in demands for name in names}
+    consumed = {
+        name for demands in distinct(demands_by_rank) for names, _ in demands for name in names
+    }
     if value_model:
         consumed.update(table.value_head_sources)
     return sorted(
@@ -338,12 +341,44 @@ def _consumers(
     dtypes: dict[str, set[str]] = {}
     ranks: dict[str, set[int]] = {}
     first = {0} if to_reader else set()
+    holders: dict[int, list[int]] = {}  # the ranks of each distinct demands object
     for rank, demands in enumerate(demands_by_rank):
+        holders.setdefault(id(demands), []).append(rank)
+    for demands in distinct(demands_by_rank):
+        same = holders[id(demands)]
         for names, dtype in demands:
             for name in names:
                 dtypes.setdefault(name, set()).add(dtype)
-                ranks.setdefault(name, set(first)).add(rank)
+                ranks.setdefault(name, set(first)).update(same)
     return dtypes, {name: tuple(sorted(r)) for name, r in ranks.items()}
+
+
+def packed(demands: Sequence[Demand], meta: CheckpointMeta) -> bytes:
+    """A rank's demands as it shares them: each tensor as its position in the checkpoint's
+    metadata (the same on every rank), not its name; a tenth of the bytes of names."""
+    ids = {name: i for i, name in enumerate(meta.tensors)}
+    return pickle.dumps([(tuple(ids[n] for n in names), dtype) for names, dtype in demands])
+
+
+def demands_once(shared: Sequence[bytes], meta: CheckpointMeta) -> list[list[Demand]]:
+    """Every rank's demands from what it shared (:func:`packed`; ``b""``: none), one object for
+    the ranks that shared the same bytes: in a world of thousands of ranks, the tensor- and
+    data-parallel replicas of a few hundred distinct ones."""
+    names = list(meta.tensors)
+    unpacked: dict[bytes, list[Demand]] = {}
+    out = []
+    for data in shared:
+        if data not in unpacked:
+            ids = pickle.loads(data) if data else []
+            unpacked[data] = [(tuple(names[i] for i in tensors), dtype) for tensors, dtype in ids]
+        out.append(unpacked[data])
+    return out
+
+
+def distinct(demands_by_rank: Sequence[Sequence[Demand]]) -> list[Sequence[Demand]]:
+    """The distinct demands objects, in rank order (replicas share one: see
+    ``megastart.loader.api``): each rank's work once per distinct object, not per rank."""
+    return list({id(demands): demands for demands in demands_by_rank}.values())
 
 
 def _row_blocks(entry: TensorEntry, itemsize: int, bucket_bytes: int) -> list[Rows]:

@@ -18,7 +18,9 @@ from megastart.loader.plan import (
     PlanError,
     build_plan,
     check_config,
+    demands_once,
     left_to_host,
+    packed,
     receiver_sets,
     resolve_needs,
     unused_tensors,
@@ -322,6 +324,31 @@ def test_each_bucket_goes_to_the_reader_and_the_ranks_that_need_it_only() -> Non
             needed_by = (0, *[r for r in (1, 2) if slot.name in {n for (n,), _ in demands[r]}])
             assert bucket.positions == needed_by, slot.name
     assert max(b.nbytes for b in plan.buckets) <= FFN * HIDDEN * 4
+
+
+def test_replicas_demands_arrive_as_one_object_and_plan_as_separate_ones() -> None:
+    """Ranks that shared the same demands (TP and DP replicas) get one list between them;
+    the plan, the receiver sets and the unused tensors are the same as from copies, with and
+    without the reader in every bucket."""
+    meta = checkpoint(hf_shapes())
+    first = [((n,), "float32") for n in meta.tensors if "layers.0." in n or "embed" in n]
+    second = [((n,), "bfloat16") for n in meta.tensors if "layers.1." in n]
+    pickled = [packed(d, meta) for d in (first, first, second, first, second)] + [b""]
+    shared = demands_once(pickled, meta)
+    assert shared[0] is shared[1] is shared[3] and shared[2] is shared[4]
+    assert shared[0] == first and shared[2] == second and shared[5] == []
+    copies = [list(d) for d in shared]
+    assert copies[0] is not copies[1]
+    table = mapping_for("Qwen3ForCausalLM")
+    assert unused_tensors(shared, meta, table) == unused_tensors(copies, meta, table)
+    for to_reader in (True, False):
+        assert build_plan(shared, meta, bucket_bytes=4096, to_reader=to_reader) == build_plan(
+            copies, meta, bucket_bytes=4096, to_reader=to_reader
+        )
+        assert receiver_sets(shared, to_reader=to_reader) == receiver_sets(
+            copies, to_reader=to_reader
+        )
+    assert receiver_sets(shared, to_reader=False) == [(0, 1, 3), (2, 4)]
 
 
 def test_mapping_tables_register_through_entry_points(tmp_path: Path) -> None:

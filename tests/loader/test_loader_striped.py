@@ -95,3 +95,41 @@ def test_a_reader_failing_on_another_node_reaches_every_rank(
     assert messages[0].startswith("CollectiveError: rank0_loader: streaming")
     assert "reader rank 2 failed: OSError" in messages[0] or "failed on rank 2" in messages[0]
     assert "Input/output error" in messages[0]
+
+
+def test_a_striped_plan_of_8192_ranks_reads_each_bucket_once_on_a_node_that_needs_it() -> None:
+    """Qwen3-235B-A22B at TP4 x PP8 x EP64 on 1,024 nodes of 8, planned from every rank's
+    demands as the ranks make them, without starting a process: every bucket of the plan is
+    read once, by the leader of a node that needs it; the 1,024 leaders share the reading
+    evenly; each receiver set's buckets keep their order (an FP8 weight's scales before it)."""
+    from collections import Counter
+
+    from megastart.bench.plan import MODELS, Layout, synthetic_checkpoint, world_demands
+    from megastart.loader.plan import build_plan
+    from megastart.loader.route import Nodes
+    from megastart.loader.stripes import stripe
+
+    config = MODELS["qwen3-235b-a22b"]
+    meta = synthetic_checkpoint(config)
+    demands = world_demands(config, meta, Layout(4, 8, 64), 8192)
+    plan = build_plan(demands, meta, bucket_bytes=32 * 2**20, to_reader=False)
+    nodes = Nodes.of([rank // 8 for rank in range(8192)])
+    striped = stripe(plan, nodes)
+
+    def slots(buckets: Any) -> Counter[Any]:
+        return Counter((slot.name, slot.rows) for bucket in buckets for slot in bucket.slots)
+
+    assert slots(striped.buckets) == slots(plan.buckets)
+    assert len(striped.buckets) == len(plan.buckets)
+    shares: Counter[int] = Counter()
+    for bucket in striped.buckets:
+        assert bucket.reader in nodes.leaders_reached(bucket.positions)
+        shares[bucket.reader] += bucket.nbytes
+    assert len(shares) == 1024  # every node leader reads
+    mean = plan.nbytes / 1024
+    assert max(shares.values()) <= 1.1 * mean + 32 * 2**20, (max(shares.values()), mean)
+    by_set: dict[Any, list[Any]] = {}
+    for bucket in plan.buckets:
+        by_set.setdefault(bucket.positions, []).append(bucket.slots)
+    for bucket in striped.buckets:
+        assert by_set[bucket.positions].pop(0) == bucket.slots
