@@ -30,6 +30,9 @@ from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+SIGNAL_LOOK_S = 0.5
+"""How often :meth:`RankPool.run` lets the main thread see a signal (Ctrl-C) while it waits."""
+
 EnvSpec = Mapping[str, str] | Callable[[int], Mapping[str, str]] | None
 """Environment variables for the workers: one mapping for all, or one per rank."""
 
@@ -172,7 +175,9 @@ class RankPool:
         pending = {w.rank: w for w in self._workers}
         while pending and (remaining := deadline - time.monotonic()) > 0:
             handles = {h: w for w in pending.values() for h in (w.conn, w.process.sentinel)}
-            for handle in wait(list(handles), timeout=remaining):
+            # In slices: a Ctrl-C the kernel hands to another of this process's threads
+            # reaches the main thread only when it next runs Python code.
+            for handle in wait(list(handles), timeout=min(remaining, SIGNAL_LOOK_S)):
                 worker = handles[handle]
                 if worker.rank not in pending:
                     continue
