@@ -42,7 +42,12 @@ from megastart.distributed import (
 from megastart.errors import SettingsError
 from megastart.loader import pagecache, roles
 from megastart.loader.bridge import Untranslatable
-from megastart.loader.checkpoint import CheckpointMeta, QuantisedCheckpoint, read_metadata
+from megastart.loader.checkpoint import (
+    CheckpointMeta,
+    QuantisedCheckpoint,
+    as_seen_here,
+    read_metadata,
+)
 from megastart.loader.copier import Copier, copy_threads
 from megastart.loader.mappings import VALUE_HEAD, MappingTable
 from megastart.loader.model import UnsupportedArchitecture, local_needs, mapping_table
@@ -366,6 +371,8 @@ def _load(
     )
     coverage = Coverage()
     with phase(f"{PLUGIN}: streaming {checkpoint!r} and verifying the coverage") as loaded:
+        if route.opens_files:  # rank 0 stat-ed the shards; this node may mount them apart
+            meta = dataclasses.replace(meta, shards=as_seen_here(meta.directory, meta.shards))
         with Copier(device, copy_threads(len(route.node))) as copier:
             stream = Stream(meta, plan, needs, tensors, shard, coverage, route, copier)
             read, sent = roles.run(stream, settings)

@@ -107,6 +107,12 @@ class Route:
         """Global rank of this rank's node leader."""
         return self.group[self.node[0]]
 
+    @property
+    def opens_files(self) -> bool:
+        """Whether this rank opens the checkpoint's files: a reader (a striped leader too), or a
+        rank of the reader's node that takes its slices out of the page cache."""
+        return self.position == 0 or self.page_cache or (self.striped and self.leads)
+
     def leaders_for(self, positions: Sequence[int]) -> tuple[int, ...]:
         """Global ranks of the leaders a bucket for ``positions`` goes to, the reader first."""
         return tuple(self.group[p] for p in self.nodes.leaders_reached(positions))

@@ -17,7 +17,8 @@ class Rank0LoaderSettings:
     ``node``: local rank 0 of each node reads for its node (the checkpoint once per node);
     ``striped``: every node leader reads a share of the buckets, each bucket once per job,
     and sends it to the other nodes that need it (:mod:`megastart.loader.stripes`): the
-    job's cold read bandwidth is the sum of its readers' storage clients;
+    job's cold read bandwidth is the sum of its readers' storage clients (every node must
+    see the checkpoint at the same path);
     ``auto``: ``striped`` when the job spans several nodes, else ``global``. On one node
     all four read the same way (``node`` and ``striped`` as ``global``)."""
 

@@ -9,7 +9,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from megastart.loader.checkpoint import CheckpointError, TensorReader, read_metadata
+from megastart.loader.checkpoint import (
+    CheckpointError,
+    TensorReader,
+    as_seen_here,
+    read_metadata,
+)
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8}
 
@@ -138,3 +143,35 @@ def test_model_type_table_agrees_with_transformers_auto_classes() -> None:
         assert architecture_for_model_type(model_type) == architecture
         assert MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type] == architecture
     assert architecture_for_model_type("bert") is None
+
+
+def test_another_nodes_mount_reads_the_same_version_and_refuses_another(tmp_path: Path) -> None:
+    """Rank 0 records each shard's identity; another node's mount of a shared file system
+    numbers the device (a FUSE mount the inodes) its own way. The same size and modification
+    time are the same version: that node reads with its own identities. A shard rewritten
+    since (another modification time), or absent on that node, is refused by name."""
+    import os
+    from dataclasses import replace
+
+    tensors = {"a": torch.arange(12.0).view(3, 4), "b": torch.ones(5)}
+    directory = write_checkpoint(tmp_path / "ckpt", tensors)
+    meta = read_metadata(directory, allow_pickle=False)
+    on_rank0 = {
+        f: identity._replace(device=identity.device + 1, inode=identity.inode + 7)
+        for f, identity in meta.shards.items()
+    }
+    here = as_seen_here(meta.directory, on_rank0)
+    assert here == meta.shards
+    reader = TensorReader(replace(meta, shards=here))
+    out = torch.empty(3, 4)
+    reader.read_into(meta.tensors["a"], out)
+    reader.close()
+    assert torch.equal(out, tensors["a"])
+
+    shard = Path(directory) / meta.tensors["b"].file
+    os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
+    with pytest.raises(CheckpointError, match=f"{shard.name}' changed while loading"):
+        as_seen_here(meta.directory, on_rank0)
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=r"does not exist on this node .* same path"):
+        as_seen_here(meta.directory, on_rank0)

@@ -17,7 +17,12 @@ files, identities, bounded handles), :mod:`.quantised`, :mod:`.reader`.
 
 from megastart.loader.checkpoint.entries import ITEMSIZE, CheckpointMeta, TensorEntry
 from megastart.loader.checkpoint.errors import CheckpointError
-from megastart.loader.checkpoint.files import ShardIdentity, check_unchanged, open_shard
+from megastart.loader.checkpoint.files import (
+    ShardIdentity,
+    as_seen_here,
+    check_unchanged,
+    open_shard,
+)
 from megastart.loader.checkpoint.meta import (
     BIN_INDEX,
     SAFETENSORS_INDEX,
@@ -42,6 +47,7 @@ __all__ = [
     "TensorEntry",
     "TensorReader",
     "causal_lm_for_model_type",
+    "as_seen_here",
     "check_unchanged",
     "open_shard",
     "read_config",

@@ -12,6 +12,7 @@ block ``open()`` forever; it is refused before anything reads it.
 from __future__ import annotations
 
 import os
+import socket
 import stat
 import threading
 from collections import OrderedDict
@@ -109,6 +110,30 @@ def check_unchanged(directory: str, shards: Mapping[str, ShardIdentity]) -> None
             raise CheckpointError(f"{str(path)!r} was removed while loading; {STABLE}") from None
         if found != expected:
             raise changed(path, expected, found)
+
+
+def as_seen_here(directory: str, shards: Mapping[str, ShardIdentity]) -> dict[str, ShardIdentity]:
+    """Each shard's identity as this node sees it, checked to be the version another node read.
+
+    Another node's mount of a shared file system numbers its device (and a FUSE mount its
+    inodes) its own way: across nodes only the size and the modification time tell the
+    version, and the rest of a load on this node checks against this node's identity.
+    """
+    here = {}
+    for file, expected in shards.items():
+        path = Path(directory) / file
+        st = regular_file(path, "a shard")
+        if st is None:
+            raise CheckpointError(
+                f"{str(path)!r} does not exist on this node ({socket.gethostname()}): every node "
+                "that reads must see the checkpoint at the same path (a shared file system), or "
+                "use rank0_loader.reader=global"
+            )
+        found = ShardIdentity.of(st)
+        if (found.size, found.mtime_ns) != (expected.size, expected.mtime_ns):
+            raise changed(path, expected, found)
+        here[file] = found
+    return here
 
 
 def changed(path: Path, expected: ShardIdentity, found: ShardIdentity) -> CheckpointError:
