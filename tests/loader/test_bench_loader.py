@@ -123,3 +123,30 @@ def test_two_simulated_nodes_send_the_second_only_what_it_needs(
     assert 0 < between < results["checkpoint_bytes"]
     assert results["strategies"]["mmap_slices"]["weights_match_megastart"]
     assert "2 simulated nodes of 2 ranks" in table
+
+
+def test_readers_run_megastart_once_per_reader_each_reading_the_checkpoint_once(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """``--readers global,striped`` on two nodes of two ranks: two megastart rows with the
+    same weights, each reading the checkpoint once; ``--read-gbps`` is reported."""
+    results, table = run_bench(
+        tmp_path_factory.mktemp("readers"),
+        "--ranks=4",
+        "--tp=2",
+        "--pp=2",
+        "--ranks-per-node=2",
+        "--size-gb=0.005",
+        "--strategies=megastart",
+        "--readers=global,striped",
+        "--read-gbps=1",
+        "--page-cache=warm",
+    )
+    rows = results["strategies"]
+    assert list(rows) == ["megastart[global]", "megastart[striped]"]
+    assert rows["megastart[global]"]["checksums"] == rows["megastart[striped]"]["checksums"]
+    read = {figures["bytes_read"] for figures in rows.values()}
+    assert len(read) == 1 and 0.99 * results["checkpoint_bytes"] <= read.pop()
+    assert results["read_gbps"] == 1
+    assert "--read-gbps 1: every process's reads" in table
+    assert set(results["targets"]) >= {"striped_vs_global", "striped_bytes_read"}
