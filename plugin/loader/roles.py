@@ -78,16 +78,7 @@ def read(stream: Stream, settings: Rank0LoaderSettings) -> tuple[int, int]:
         prefetch = Prefetcher(reader, stream.plan, fetch, ahead, board=stream.route.board)
         try:
             for index, bucket in enumerate(stream.plan.buckets):
-                try:
-                    buffer, source = prefetch.next()
-                except CollectiveError:  # a stall or a peer's failure: on the board already
-                    raise
-                except BaseException as e:
-                    for used in in_use:  # what was announced is delivered before the error
-                        stream.deliver(used)
-                    stream.fail(_read_failed(stream, e), frontier, leaders=leaders)
-                    raise
-                stream.route.board.advance()  # every peer's wait starts again
+                buffer, source = _next_read(stream, prefetch, in_use, frontier, leaders)
                 used = InUse()
                 copied = None
                 if leaders is not None and isinstance(source, Window):  # no other node needs it
@@ -199,16 +190,7 @@ def read_share(stream: Stream, settings: Rank0LoaderSettings) -> tuple[int, int]
                         continue
                 else:
                     channel = leaders.sent_by(route.board.rank)
-                    try:
-                        buffer, source = prefetch.next()
-                    except CollectiveError:  # a stall or a peer's failure: on the board already
-                        raise
-                    except BaseException as e:
-                        for used in in_use:  # what was announced is delivered before the error
-                            stream.deliver(used)
-                        stream.fail(_read_failed(stream, e), leaders=channel)
-                        raise
-                    route.board.advance()  # every peer's wait starts again
+                    buffer, source = _next_read(stream, prefetch, in_use, None, channel)
                     work, copied, crossed = _send(stream, channel, index, source, staging)
                     sent += crossed
                     used = InUse(sends=[work], release=partial(prefetch.release, buffer, copied))
@@ -228,8 +210,28 @@ def read_share(stream: Stream, settings: Rank0LoaderSettings) -> tuple[int, int]
     return reader.bytes_read, sent
 
 
-def _read_failed(stream: Stream, error: BaseException) -> str:
-    return f"reader rank {stream.route.board.rank} failed: {type(error).__name__}: {error}"
+def _next_read(
+    stream: Stream,
+    prefetch: Prefetcher[Any],
+    in_use: deque[InUse],
+    frontier: Frontier | None,
+    leaders: Channel | None,
+) -> tuple[int, Any]:
+    """The reader's next bucket from its read-ahead, and every peer's wait starts again; a read
+    error goes to the node (``frontier`` or its header) and to the other leaders (``leaders``,
+    from this reader) once what was announced is delivered, and is raised."""
+    try:
+        fetched = prefetch.next()
+    except CollectiveError:  # a stall or a peer's failure: on the board already
+        raise
+    except BaseException as e:
+        for used in in_use:
+            stream.deliver(used)
+        message = f"reader rank {stream.route.board.rank} failed: {type(e).__name__}: {e}"
+        stream.fail(message, frontier, leaders=leaders)
+        raise
+    stream.route.board.advance()
+    return fetched
 
 
 def _filled(
