@@ -99,15 +99,12 @@ def _planning(
         nodes = Nodes.of(keys)
         group = list(range(len(keys)))
         leader_sets, node_sets = group_sets([group], [nodes], sets, [True])
-        node = nodes.node_of(rank)
         if role == "member":  # Route.local_buckets: the buckets its leader announces
-            others = set(node[1:])
-            looked = sum(1 for b in plan.buckets if others.intersection(b.positions))
+            looked = len(nodes.local_buckets(rank, plan))
         else:  # the reader's and the leaders' Route.leaders_for of every bucket
             looked = sum(len(nodes.leaders_reached(b.positions)) for b in plan.buckets)
         # the kept control group, the leaders' groups, each node's two (headers and reports)
-        made = sum(1 for ranks in leader_sets if len(ranks) > 1) + 2 * len(node_sets)
-        return {"groups": 1 + made, "looked": looked}
+        return {"groups": 1 + len(leader_sets) + 2 * len(node_sets), "looked": looked}
 
     return work
 

@@ -59,6 +59,12 @@ class Nodes:
     def node_of(self, position: int) -> tuple[int, ...]:
         return next(node for node in self.members if position in node)
 
+    def local_buckets(self, position: int, plan: Plan) -> list[int]:
+        """The buckets some rank of ``position``'s node other than its leader needs, in plan
+        order (what the leader announces to its node)."""
+        others = set(self.node_of(position)[1:])
+        return [i for i, bucket in enumerate(plan.buckets) if others.intersection(bucket.positions)]
+
     def leaders_reached(self, positions: Sequence[int]) -> tuple[int, ...]:
         """The leaders of the nodes that hold any of ``positions``, in node order."""
         wanted = set(positions)
@@ -119,8 +125,7 @@ class Route:
 
     def local_buckets(self, plan: Plan) -> list[int]:
         """The buckets some rank of this node other than its leader needs, in plan order."""
-        others = set(self.node[1:])
-        return [i for i, bucket in enumerate(plan.buckets) if others.intersection(bucket.positions)]
+        return self.nodes.local_buckets(self.position, plan)
 
 
 def group_sets(
@@ -131,14 +136,16 @@ def group_sets(
 ) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
     """The global ranks of every group the stream makes (each ``new_group`` a collective over
     WORLD, made by every rank): per reader group of several nodes, one of all its leaders and
-    one per other set of leaders a bucket reaches; and per node of several ranks that does not
-    take its slices out of the page cache (``cached``: the reader's node does), its ranks."""
+    one per other set of several leaders a bucket reaches; and per node of several ranks that
+    does not take its slices out of the page cache (``cached``: the reader's node does), its
+    ranks. A bucket no other node needs goes to no group."""
     leader_sets: list[tuple[int, ...]] = []
     for group, its_nodes, sets in zip(groups, nodes, receiver_sets, strict=True):
         if len(its_nodes.members) > 1:
             everyone = tuple(group[p] for p in its_nodes.leaders)
             reached = {tuple(group[p] for p in its_nodes.leaders_reached(s)) for s in sets}
-            leader_sets += [everyone, *sorted(reached - {everyone})]
+            several = {ranks for ranks in reached if len(ranks) > 1}
+            leader_sets += [everyone, *sorted(several - {everyone})]
     node_sets = [
         tuple(group[p] for p in node)
         for group, its_nodes, reader_cached in zip(groups, nodes, cached, strict=True)

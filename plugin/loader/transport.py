@@ -102,16 +102,15 @@ def open_receiver_groups(
 ) -> dict[tuple[int, ...], dist.ProcessGroup]:
     """A process group per set of global ranks (collective over WORLD); this rank's, by set.
 
-    Every rank passes the same sets in the same order. Sets of one rank need no group.
+    Every rank passes the same sets of several ranks (``route.group_sets``) in the same order.
     """
     import torch.distributed as dist
 
     mine = {}
     for ranks in receiver_sets:
-        if len(ranks) > 1:
-            group = own.new(ranks, backend=backend)
-            if dist.get_rank() in ranks:
-                mine[ranks] = group
+        group = own.new(ranks, backend=backend)
+        if dist.get_rank() in ranks:
+            mine[ranks] = group
     return mine
 
 
