@@ -341,11 +341,10 @@ def _consumers(
     dtypes: dict[str, set[str]] = {}
     ranks: dict[str, set[int]] = {}
     first = {0} if to_reader else set()
-    holders: dict[int, list[int]] = {}  # the ranks of each distinct demands object
+    holders: dict[int, tuple[Sequence[Demand], list[int]]] = {}  # each distinct object's ranks
     for rank, demands in enumerate(demands_by_rank):
-        holders.setdefault(id(demands), []).append(rank)
-    for demands in distinct(demands_by_rank):
-        same = holders[id(demands)]
+        holders.setdefault(id(demands), (demands, []))[1].append(rank)
+    for demands, same in holders.values():
         for names, dtype in demands:
             for name in names:
                 dtypes.setdefault(name, set()).add(dtype)
