@@ -371,7 +371,7 @@ def _load(
     )
     coverage = Coverage()
     with phase(f"{PLUGIN}: streaming {checkpoint!r} and verifying the coverage") as loaded:
-        if route.opens_files:  # rank 0 stat-ed the shards; this node may mount them apart
+        if route.opens_files and nodes[rank] != nodes[0]:  # another node may mount them apart
             meta = dataclasses.replace(meta, shards=as_seen_here(meta.directory, meta.shards))
         with Copier(device, copy_threads(len(route.node))) as copier:
             stream = Stream(meta, plan, needs, tensors, shard, coverage, route, copier)
