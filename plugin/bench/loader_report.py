@@ -3,7 +3,7 @@ measured next to it, the targets, and how each figure was measured."""
 
 from __future__ import annotations
 
-from megastart.bench.loader_results import ConditionResult, megastart_row
+from megastart.bench.loader_results import ConditionResult, megastart_row, megastart_rows
 
 PAGE_CACHE = {
     "cold": "dropped before every load and every read of the limits (POSIX_FADV_DONTNEED)",
@@ -50,13 +50,14 @@ def render(run: ConditionResult) -> str:
             + f"  {'yes' if s.weights_match_megastart else 'NO'} ({len(s.checksums)} ranks)"
         )
     if nodes > 1:
-        lines += [""] + [
-            f"{name} sent {s.bytes_between_nodes / gb:.3f} GB between the nodes "
-            f"({s.bytes_between_nodes / run.checkpoint_bytes:.2f}x the checkpoint): "
-            "each bucket once to each other node that needs it."
-            for name, s in strategies.items()
-            if name.split("[")[0] == "megastart"
-        ]
+        lines.append("")
+        for name in megastart_rows(strategies):
+            sent = strategies[name].bytes_between_nodes
+            lines.append(
+                f"{name} sent {sent / gb:.3f} GB between the nodes "
+                f"({sent / run.checkpoint_bytes:.2f}x the checkpoint): "
+                "each bucket once to each other node that needs it."
+            )
     if run.read_gbps:
         lines += [
             "",

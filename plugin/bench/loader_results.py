@@ -154,10 +154,22 @@ STRIPED_VS_GLOBAL = 0.35
 """The striped readers' wall time against the global reader's, on several nodes."""
 
 
+def strategy_reader(name: str) -> tuple[str, str]:
+    """A strategy's name and its reader setting: ``megastart[node]`` -> ``("megastart", "node")``
+    (``bench loader --readers``), any other -> ``(name, "")``."""
+    base, _, reader = name.partition("[")
+    return base, reader.removesuffix("]")
+
+
+def megastart_rows(strategies: dict[str, Any]) -> list[str]:
+    """The rows of megastart's default route: ``megastart``, or one ``megastart[reader]`` per
+    ``--readers`` setting."""
+    return [name for name in strategies if strategy_reader(name)[0] == "megastart"]
+
+
 def megastart_row(strategies: dict[str, Any]) -> str:
-    """The row the others are compared with: ``megastart``, or with ``--readers`` the first
-    of its ``megastart[reader]`` rows."""
-    return next(name for name in strategies if name.split("[")[0] == "megastart")
+    """The row the others are compared with: the first of :func:`megastart_rows`."""
+    return megastart_rows(strategies)[0]
 
 
 def targets(run: ConditionResult) -> dict[str, Target]:

@@ -31,6 +31,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from megastart.bench.loader_results import strategy_reader
+
 if TYPE_CHECKING:
     import torch
 
@@ -160,18 +162,18 @@ def load(
 def megastart_route(strategy: str) -> dict[str, Any] | None:
     """The settings a megastart strategy adds (``megastart[node]``: ``reader=node``), or ``None``
     for a baseline."""
-    base, _, reader = strategy.partition("[")
+    base, reader = strategy_reader(strategy)
     if base not in MEGASTART_ROUTES:
         return None
-    return MEGASTART_ROUTES[base] | ({"reader": reader.removesuffix("]")} if reader else {})
+    return MEGASTART_ROUTES[base] | ({"reader": reader} if reader else {})
 
 
 def implementation(strategy: str) -> str:
     """What ``strategy`` runs, for the report."""
-    base, _, reader = strategy.partition("[")
+    base, reader = strategy_reader(strategy)
     if not reader:
         return IMPLEMENTATIONS[base]
-    return IMPLEMENTATIONS[base].replace("reader=global", f"reader={reader.removesuffix(']')}")
+    return IMPLEMENTATIONS[base].replace("reader=global", f"reader={reader}")
 
 
 def _bridge(checkpoint: str) -> Any:
