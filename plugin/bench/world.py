@@ -84,7 +84,6 @@ def _planning(
     from megastart.loader.plan import (
         build_plan,
         demands_once,
-        receiver_sets,
         unused_tensors,
     )
     from megastart.loader.route import Nodes, group_sets
@@ -95,7 +94,7 @@ def _planning(
         by_rank = demands_once([pickle.loads(shared)[1] for shared in gathered], meta)
         unused_tensors(by_rank, meta, table)
         plan = build_plan(by_rank, meta, bucket_bytes=int(bucket_mb * 2**20))
-        sets = [receiver_sets(by_rank)]
+        sets = [plan.receiver_sets]
         nodes = Nodes.of(keys)
         group = list(range(len(keys)))
         leader_sets, node_sets = group_sets([group], [nodes], sets, [True])

@@ -318,8 +318,10 @@ def _load(
         )
         if striped:
             plan = stripe(plan, Nodes.of([nodes[r] for r in group]))
-        sets = [
-            receiver_sets([demands[r] for r in members], to_reader=not striped)
+        sets = [  # another node's reader group (reader=node) has a plan this rank does not make
+            plan.receiver_sets
+            if members is group
+            else receiver_sets([demands[r] for r in members], to_reader=not striped)
             for members in groups
         ]
         readers = (

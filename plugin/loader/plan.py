@@ -114,6 +114,12 @@ class Plan:
     def max_bucket_bytes(self) -> int:
         return max((b.nbytes for b in self.buckets), default=0)
 
+    @property
+    def receiver_sets(self) -> list[tuple[int, ...]]:
+        """The distinct :attr:`Bucket.positions`, sorted: :func:`receiver_sets` of the demands
+        it was built from, without going through them again."""
+        return sorted({bucket.positions for bucket in self.buckets})
+
 
 def check_config(
     table: MappingTable,
