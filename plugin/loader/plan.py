@@ -311,25 +311,35 @@ def build_plan(
     bucket_bytes = max(_ALIGN, bucket_bytes // _ALIGN * _ALIGN)  # aligned slots fill it exactly
     dtypes, members = _consumers(demands_by_rank, to_reader)
     buckets: list[Bucket] = []
-    open_buckets: dict[tuple[int, ...], tuple[list[Slot], int]] = {}
+    # by the id of the receivers' tuple (one object per distinct set: a stage's thousands of
+    # ranks are not hashed per tensor)
+    open_buckets: dict[int, tuple[tuple[int, ...], list[Slot], int]] = {}
+    travelling: dict[tuple[frozenset[str], str], str] = {}
     order = partial(_stream_order, meta)
     for entry in sorted((meta.tensors[name] for name in dtypes), key=order):
-        wanted = {entry.dtype if d == AS_STORED else d for d in dtypes[entry.name]}
-        dtype = next(iter(wanted)) if len(wanted) == 1 else entry.dtype
+        key = (dtypes[entry.name], entry.dtype)
+        dtype = travelling.get(key) or travelling.setdefault(key, _travels_as(*key))
         ranks = members[entry.name]
         for rows in _row_blocks(entry, ITEMSIZE[dtype], bucket_bytes):
             nbytes = entry.numel // max(rows.total, 1) * (rows.stop - rows.start) * ITEMSIZE[dtype]
-            slots, offset = open_buckets.pop(ranks, ([], 0))
+            _, slots, offset = open_buckets.pop(id(ranks), (ranks, [], 0))
             if slots and offset + nbytes > bucket_bytes:
                 buckets.append(Bucket(tuple(slots), offset, ranks))
                 slots, offset = [], 0
             shape = (rows.stop - rows.start, *entry.shape[1:]) if entry.shape else ()
             slots.append(Slot(entry.name, offset, shape, dtype, nbytes, rows))
-            open_buckets[ranks] = slots, offset + _aligned(nbytes)
+            open_buckets[id(ranks)] = ranks, slots, offset + _aligned(nbytes)
     buckets.extend(
-        Bucket(tuple(slots), offset, ranks) for ranks, (slots, offset) in open_buckets.items()
+        Bucket(tuple(slots), offset, ranks) for ranks, slots, offset in open_buckets.values()
     )
     return Plan(tuple(buckets))
+
+
+def _travels_as(wanted: frozenset[str], stored: str) -> str:
+    """The dtype a tensor stored as ``stored`` travels in, for consumers that want ``wanted``:
+    theirs where they agree, else the checkpoint's."""
+    dtypes = {stored if d == AS_STORED else d for d in wanted}
+    return next(iter(dtypes)) if len(dtypes) == 1 else stored
 
 
 def receiver_sets(
@@ -341,21 +351,38 @@ def receiver_sets(
 
 def _consumers(
     demands_by_rank: Sequence[Sequence[Demand]], to_reader: bool
-) -> tuple[dict[str, set[str]], dict[str, tuple[int, ...]]]:
+) -> tuple[dict[str, frozenset[str]], dict[str, tuple[int, ...]]]:
     """Per HF tensor: the dtypes its consumers want, and the ranks that need it (with the
-    reader, 0, if ``to_reader``)."""
-    dtypes: dict[str, set[str]] = {}
-    ranks: dict[str, set[int]] = {}
-    first = {0} if to_reader else set()
+    reader, 0, if ``to_reader``).
+
+    The work goes by distinct demands object (replicas share one), and each distinct set of
+    ranks and of dtypes is made once and shared by the tensors that have it: at 8,192 ranks a
+    few hundred distinct objects and sets, not a set per tensor.
+    """
     holders: dict[int, tuple[Sequence[Demand], list[int]]] = {}  # each distinct object's ranks
     for rank, demands in enumerate(demands_by_rank):
         holders.setdefault(id(demands), (demands, []))[1].append(rank)
-    for demands, same in holders.values():
+    held = list(holders.values())
+    users: dict[str, list[int]] = {}  # indices into held
+    dtypes: dict[str, frozenset[str]] = {}
+    unions: dict[tuple[frozenset[str], str], frozenset[str]] = {}
+    for index, (demands, _) in enumerate(held):
         for names, dtype in demands:
             for name in names:
-                dtypes.setdefault(name, set()).add(dtype)
-                ranks.setdefault(name, set(first)).update(same)
-    return dtypes, {name: tuple(sorted(r)) for name, r in ranks.items()}
+                its = users.setdefault(name, [])
+                if not its or its[-1] != index:
+                    its.append(index)
+                key = (dtypes.get(name, frozenset()), dtype)
+                dtypes[name] = unions.get(key) or unions.setdefault(key, key[0] | {dtype})
+    first = (0,) if to_reader else ()
+    ranks_of: dict[tuple[int, ...], tuple[int, ...]] = {}
+    ranks: dict[str, tuple[int, ...]] = {}
+    for name, its in users.items():
+        sharing = tuple(its)
+        if sharing not in ranks_of:
+            ranks_of[sharing] = tuple(sorted({*first, *(r for i in sharing for r in held[i][1])}))
+        ranks[name] = ranks_of[sharing]
+    return dtypes, ranks
 
 
 def packed(demands: Sequence[Demand], meta: CheckpointMeta) -> bytes:
@@ -391,6 +418,8 @@ def _row_blocks(entry: TensorEntry, itemsize: int, bucket_bytes: int) -> list[Ro
     if not entry.shape or entry.shape[0] == 0:
         return [Rows(0, 1, 1) if not entry.shape else Rows(0, 0, 0)]
     total = entry.shape[0]
+    if entry.numel * itemsize <= bucket_bytes:  # most tensors: one block
+        return [Rows(0, total, total)]
     per_block = max(1, bucket_bytes // (entry.numel // total * itemsize or 1))
     return [Rows(i, min(i + per_block, total), total) for i in range(0, total, per_block)]
 
