@@ -198,11 +198,17 @@ def render_world(results: dict[str, Any]) -> str:
             f"  {role:<7} {figures['rank']:>6} {figures['plan_s']:>8.3f} {figures['plan_mb']:>8.1f} "
             f"{figures['groups']:>7,} {rps['first']:>27.1f}, {rps['settled']:.1f}"
         )
+    world_rps = results["store_rps_world"]
+    lines.append(
+        f"  store req/s with every rank waiting: {world_rps['first']:,.0f} in the first 3 s, "
+        f"{world_rps['settled']:,.0f} after"
+    )
     lines.append(
         "  (reader=global, as by default; plan s: process CPU time from the gathered demands to "
         "the stream's first byte, best of --repeats; plan MB: peak Python memory allocated, the "
         "gathered demands included; groups: process groups each rank creates; store req/s: one "
-        "rank waiting at the board; the world's total is about that times the ranks waiting)"
+        "rank waiting at the board; node leaders look at the store, the other ranks at their "
+        "node's page)"
     )
     return "\n".join(lines)
 

@@ -11,8 +11,9 @@ receiver sets, the stream's process groups, and the stream's lookups of where ea
 goes. Figures per role: process CPU seconds (best of ``--repeats``), the peak of Python
 memory it allocated (``tracemalloc``, the gathered demands included), the process groups it
 creates (every ``new_group`` is made by every rank), and the store requests per second of a
-rank waiting at the board (the real :class:`~megastart.distributed.Board` wait, over a store
-of one process, counted as they go out), in the first seconds of a wait and once settled.
+rank waiting at the board (the real :class:`~megastart.distributed.Board` wait with its node's
+real page attached, a leader's or another rank's, over a store of one process, counted as they
+go out), in the first seconds of a wait and once settled; and the world's, every rank waiting.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def measure_world(
         del roles["leader"]
     if ranks_per_node == 1:
         del roles["member"]
-    rates = store_requests_per_second()
+    nodes = world // ranks_per_node
+    rates = {leads: store_requests_per_second(leads=leads, nodes=nodes) for leads in (True, False)}
     results: dict[str, Any] = {"demands_mb": sum(map(len, gathered)) / 2**20, "roles": {}}
     for role, rank in roles.items():
         work = _planning(gathered, meta, keys, rank, role, bucket_mb)
@@ -65,8 +67,12 @@ def measure_world(
             "plan_s": _best_cpu(repeats, work),
             "plan_mb": _peak_mb(work),
             "groups": work()["groups"],
-            "store_rps": rates,
+            "store_rps": rates[role != "member"],
         }
+    results["store_rps_world"] = {  # every rank waiting at once: the leaders, and the others
+        when: nodes * rates[True][when] + (world - nodes) * rates[False][when]
+        for when in ("first", "settled")
+    }
     return results
 
 
@@ -126,16 +132,21 @@ def _peak_mb(work: Callable[[], Any]) -> float:
         tracemalloc.stop()
 
 
-def store_requests_per_second(wait_s: float = WAIT_S) -> dict[str, float]:
+def store_requests_per_second(
+    *, leads: bool, nodes: int, wait_s: float = WAIT_S
+) -> dict[str, float]:
     """Store requests per second of a rank waiting ``wait_s`` at a real :class:`Board` on a
-    peer that never answers: in the first :data:`~megastart.distributed.board.SETTLE_S`
-    seconds (``first``) and after (``settled``)."""
+    peer that never answers, as the leader of one of ``nodes`` nodes or another rank of it
+    (its board attached to a real page of node-shared memory): in the first
+    :data:`~megastart.distributed.board.SETTLE_S` seconds (``first``) and after (``settled``)."""
     import datetime
 
     import torch.distributed as dist
 
     from megastart.distributed import Board
     from megastart.distributed.board import SETTLE_S
+    from megastart.loader.node import NodeBoard
+    from megastart.loader.shm import Segment
 
     started_here = not dist.is_initialized()
     if started_here:
@@ -144,6 +155,9 @@ def store_requests_per_second(wait_s: float = WAIT_S) -> dict[str, float]:
     try:
         board = Board("bench-plan")
         board.timeout_s = wait_s + 60
+        segment = Segment.create(NodeBoard.nbytes(2))
+        segment.unlink()
+        board.attach(NodeBoard(segment, 2, 0 if leads else 1), leaders=nodes)
         counting = CountingStore(board._store)
         board._store = counting
         start = time.monotonic()
@@ -154,6 +168,7 @@ def store_requests_per_second(wait_s: float = WAIT_S) -> dict[str, float]:
             return time.monotonic() >= end
 
         board.wait(never, "nothing", peer=True)
+        segment.close()
     finally:
         if started_here:
             dist.destroy_process_group()

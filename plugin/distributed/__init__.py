@@ -11,7 +11,9 @@ A call that streams data also keeps a :class:`Board` in torch.distributed's
 store: ranks check in there before any process group is made (so a rank that
 never comes is named), a failing rank announces its error there at once, and
 every wait of the call looks at it (so no rank waits ``timeout_s`` on a peer
-that has already given up). :class:`Sticky` makes a call that failed in a
+that has already given up); once the nodes are known, a node's ranks other than
+its leader look at a page of node-shared memory instead (:class:`Node`), so
+waiting costs the store about a request a second per node. :class:`Sticky` makes a call that failed in a
 process fail at once when it is made again.
 
 The modules: :mod:`.errors`, :mod:`.board`, :mod:`.groups`, :mod:`.agreement`,
@@ -19,7 +21,14 @@ The modules: :mod:`.errors`, :mod:`.board`, :mod:`.groups`, :mod:`.agreement`,
 """
 
 from megastart.distributed.agreement import Outcome, agree, all_or_none, broadcast_or_raise
-from megastart.distributed.board import PEER_GRACE_S, POLL_S, PROGRESS_LOOK_S, Board, polled
+from megastart.distributed.board import (
+    PEER_GRACE_S,
+    POLL_S,
+    PROGRESS_LOOK_S,
+    Board,
+    Node,
+    polled_locally,
+)
 from megastart.distributed.errors import (
     CollectiveError,
     FailedBefore,
@@ -30,6 +39,7 @@ from megastart.distributed.groups import (
     OwnGroups,
     destroy_group,
     discard_control,
+    discarding_control,
     kept_control,
     new_group,
 )
@@ -42,6 +52,7 @@ __all__ = [
     "Board",
     "CollectiveError",
     "FailedBefore",
+    "Node",
     "Outcome",
     "OwnGroups",
     "PeerFailed",
@@ -52,7 +63,8 @@ __all__ = [
     "broadcast_or_raise",
     "destroy_group",
     "discard_control",
+    "discarding_control",
     "kept_control",
     "new_group",
-    "polled",
+    "polled_locally",
 ]

@@ -7,14 +7,10 @@ import datetime
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from megastart.distributed.errors import PeerFailed, Stalled, describe
 from megastart.errors import CollectiveError
-
-if TYPE_CHECKING:
-    pass
-
 
 POLL_S = 0.1
 """How long a wait blocks before it looks at the :class:`Board` again, for its first
@@ -22,15 +18,19 @@ POLL_S = 0.1
 
 SETTLE_S = 3.0
 LONG_POLL_S = 1.0
-"""After :data:`SETTLE_S` seconds a wait looks at the board (and a polled condition at the
-store) once every this many seconds: a rank that waits long (a far bucket, a finished rank
-at the final barrier) costs the store a few requests a second, not a hundred, and a failure
-still reaches it within a second."""
+"""After :data:`SETTLE_S` seconds a wait looks at the board once every this many seconds: a
+leader that waits long (a far bucket) costs the store a request a second, not ten, and a
+failure still reaches it within a second."""
 
-PROGRESS_LOOK_S = 1.0
+LOOKS_PER_S = 1000.0
+"""The store requests a second the ranks waiting at a board may make together to look for
+failures (a TCPStore serves 10-50k): at 8,192 ranks of 8 per node, each of the 1,024 leaders
+looks about once a second; on a few nodes, every :data:`POLL_S`."""
+
+PROGRESS_LOOK_S = 5.0
 """How often a wait on a peer looks at the call's progress (:meth:`Board.advance`): a stall is
 named within this much of ``timeout_s`` after the last progress, at a store round trip per
-look on every waiting rank."""
+look on every waiting leader (a node's other ranks look at their :class:`Node`)."""
 
 PEER_GRACE_S = 2.0
 """How much longer than ``timeout_s`` a rank waits on a peer than on itself: a rank
@@ -41,6 +41,50 @@ _GO, _FAILED = "go", "failed:"
 
 _calls: dict[str, int] = {}
 """How many :class:`Board` s this process made per call name."""
+
+
+class Node(Protocol):
+    """What the ranks of one node share about a call without the store: a page of node-shared
+    memory (``megastart.loader.node.NodeBoard``), the leader its only writer but for the
+    failure flag and each rank's own arrivals. See :meth:`Board.attach`."""
+
+    @property
+    def leads(self) -> bool:
+        """Whether this rank is the node's leader, the one that talks to the store."""
+        ...
+
+    @property
+    def size(self) -> int:
+        """The node's ranks, its leader included."""
+        ...
+
+    def failed(self) -> bool:
+        """Whether a failure was announced (its text is on the store)."""
+        ...
+
+    def fail(self) -> None: ...
+
+    def progress(self) -> int:
+        """How often the leader saw the call progress (a count that only grows)."""
+        ...
+
+    def advanced(self) -> None:
+        """The leader saw the call progress: it read, received, or saw a reader's progress."""
+        ...
+
+    def arrive(self) -> None:
+        """Count this rank in at the node's next barrier."""
+        ...
+
+    def arrived(self, count: int) -> bool:
+        """Whether every rank of the node arrived at ``count`` barriers."""
+        ...
+
+    def gate(self) -> int:
+        """How many barriers the leader opened to the node."""
+        ...
+
+    def open(self, count: int) -> None: ...
 
 
 class Board:
@@ -63,6 +107,12 @@ class Board:
     is far down the checkpoint, or that finished early and waits for the
     others, waits as long as the readers read, and a stalled or dead reader is
     still named ``timeout_s`` after its last bucket.
+
+    Once the nodes are known, :meth:`attach` hands the board its node's page of
+    shared memory: from then on only node leaders look at the store while they
+    wait (about one request a second once settled, a thousand a second at
+    8,192 ranks of 8 per node), and the other ranks look at their node's page,
+    which costs the store nothing.
     """
 
     def __init__(self, what: str) -> None:
@@ -76,21 +126,66 @@ class Board:
         self.timeout_s = float("inf")
         self._advanced = -float("inf")
         self._store = dist.PrefixStore(f"megastart/{what}/{number}/", _get_default_store())
+        self._node: Node | None = None
+        self._lookers = self.world
+        self._seen = 0
+        """The readers' progress this rank last saw on the store."""
+        self._barriers = 0
+        """How many :meth:`barrier` s this rank has passed."""
+
+    def attach(self, node: Node | None, *, leaders: int) -> None:
+        """Share this call's failures, progress and barriers with the node's ranks through
+        ``node`` (``None``: a rank alone on its node, or the end of the node's page).
+
+        :param leaders: how many ranks of the call look at the store from now on (one per
+            node): they share :data:`LOOKS_PER_S` between them.
+        """
+        self._node = node
+        self._lookers = leaders
+
+    @property
+    def _progress_look_s(self) -> float:
+        """:data:`PROGRESS_LOOK_S`, or less where ``timeout_s`` is shorter than a few looks."""
+        return min(PROGRESS_LOOK_S, self.timeout_s / 4)
+
+    @property
+    def _on_page(self) -> bool:
+        """Whether this rank waits on its node's page, not on the store (not a leader)."""
+        return self._node is not None and not self._node.leads
+
+    @property
+    def look_s(self) -> float:
+        """How often a rank that looks at the store looks for failures while it waits: every
+        :data:`POLL_S`, less often when so many ranks look that the store would serve more
+        than :data:`LOOKS_PER_S`."""
+        return max(POLL_S, self._lookers / LOOKS_PER_S)
 
     def announce(self, error: BaseException) -> None:
         """Tell every rank that this one failed; the first failure announced is the one named.
 
-        Ranks still checking in hear it too: they stop waiting for this one.
+        Ranks still checking in hear it too: they stop waiting for this one; and ranks
+        waiting at a :meth:`barrier` this one has not passed are released with it.
         """
         if not isinstance(error, PeerFailed):
             failure = f"rank {self.rank}: {describe(error)}"
             self._store.compare_set("failed", "", failure)
-            self._store.compare_set("start", "", f"{_FAILED}{self.what} failed on {failure}")
+            released = f"{_FAILED}{self.what} failed on {failure}"
+            self._store.compare_set("start", "", released)
+            self._store.compare_set(_gate(self._barriers), "", released)
+        if self._node is not None:
+            self._node.fail()
 
     def failure(self) -> str | None:
-        """``"rank R: error"`` of the first failure announced, or ``None``."""
-        if not self._store.check(["failed"]):
-            return None
+        """``"rank R: error"`` of the first failure announced, or ``None``.
+
+        A node's other ranks look at its page first, and at the store only for the text.
+        """
+        node = self._node
+        if node is None or not node.failed():
+            if self._on_page or not self._store.check(["failed"]):
+                return None
+            if node is not None:
+                node.fail()
         return bytes(self._store.get("failed")).decode()
 
     @contextmanager
@@ -126,86 +221,155 @@ class Board:
                 f"{self.what}: rank(s) {missing} did not start it within timeout_s={timeout_s:g} "
                 "s (died, hung, or never called it); no process group was made",
             )
-        start = bytes(self._store.get("start")).decode()
-        if start.startswith(_FAILED):
-            raise PeerFailed(start.removeprefix(_FAILED))
+        start = self._released("start")
         if start != _GO:
             raise CollectiveError(start)
 
     def wait(
-        self, ready: Callable[[float], bool], what: str | Callable[[], str], *, peer: bool = False
+        self,
+        ready: Callable[[float], bool],
+        what: str | Callable[[], str],
+        *,
+        peer: bool = False,
+        grace: int = 1,
     ) -> None:
         """Until ``ready(slice_s)`` is true (it may block ``slice_s`` seconds).
 
-        :param peer: the wait is on another rank: it gets :data:`PEER_GRACE_S` more,
-            counted from the call's last progress (:meth:`advance`).
+        :param peer: the wait is on another rank: it gets ``grace`` times
+            :data:`PEER_GRACE_S` more, counted from the call's last progress
+            (:meth:`advance`).
         :raises PeerFailed: within a slice of any rank announcing a failure.
         :raises Stalled: after ``timeout_s``, naming ``what`` (or what it returns
             then); announced first, so the others stop at once.
         """
-        limit = self.timeout_s + (PEER_GRACE_S if peer else 0.0)
+        limit = self.timeout_s + (grace * PEER_GRACE_S if peer else 0.0)
         started = time.monotonic()
         deadline = started + limit
-        # The readers' progress is looked at once the first slice did not do: most waits end in it.
+        # Most waits end in their first slice, and a look at the store is a request: the
+        # failures are looked at every look_s (at the node's page, every slice), the readers'
+        # progress first after PROGRESS_LOOK_S.
         progress: int | None = None
-        looked = started
+        looked = looked_for_failures = started
         while not ready(_slice(started, deadline)):
-            failure = self.failure()
-            if failure is not None:
-                raise PeerFailed(f"{self.what} failed on {failure}")
             now = time.monotonic()
-            if peer and progress is None:
-                progress = self._progress()
-            elif peer and now - looked >= PROGRESS_LOOK_S:
+            if self._on_page or now - looked_for_failures >= self.look_s:
+                looked_for_failures = now
+                failure = self.failure()
+                if failure is not None:
+                    raise PeerFailed(f"{self.what} failed on {failure}")
+            if peer and now - looked >= self._progress_look_s:
                 looked = now
-                if progress != (progress := self._progress()):
+                seen, progress = progress, self._progress()
+                if seen is not None and seen != progress:
                     deadline = now + limit
             if time.monotonic() >= deadline:
-                bound = (
-                    f"{limit:g} s (timeout_s + {PEER_GRACE_S:g} s)"
-                    if peer
-                    else f"timeout_s={limit:g} s"
-                )
-                waited_for = what if isinstance(what, str) else what()
-                stalled = Stalled(f"rank {self.rank} waited {bound} for {waited_for}")
-                self.announce(stalled)
-                raise stalled
+                raise self._stalled(limit, what if isinstance(what, str) else what())
+        if peer and self._node is not None and self._node.leads:
+            self._node.advanced()  # what it waited for came: the node's ranks wait on
 
     def advance(self) -> None:
         """A reader made progress: the peer waits' ``timeout_s`` starts again (a store round trip
         at most every half :data:`PROGRESS_LOOK_S`)."""
         now = time.monotonic()
-        if now - self._advanced >= PROGRESS_LOOK_S / 2:
+        if now - self._advanced >= self._progress_look_s / 2:
             self._advanced = now
             self._store.add("progress", 1)
+        if self._node is not None:
+            self._node.advanced()
 
     def _progress(self) -> int:
-        return self._store.add("progress", 0)
+        """The call's progress: the readers' count on the store, or, on the node's page, the
+        times the leader saw the call progress (which it notes here too)."""
+        node = self._node
+        if node is not None and not node.leads:
+            return node.progress()
+        progress = self._store.add("progress", 0)
+        if node is not None and progress != self._seen:
+            node.advanced()
+        self._seen = progress
+        return progress
 
     def post(self, key: str, value: str) -> None:
         """Leave ``value`` for the ranks that :meth:`read` ``key`` (a name, not data)."""
         self._store.set(f"posted/{key}", value)
 
+    def withdraw(self, key: str, error: BaseException) -> None:
+        """Post ``error`` under ``key`` instead of a value: its readers raise it at once."""
+        self.post(key, f"{_FAILED}{self.what} failed on rank {self.rank}: {describe(error)}")
+
     def read(self, key: str, what: str) -> str:
-        """The value another rank :meth:`post` s under ``key``: :meth:`wait` on a peer for it.
-
-        The store is polled, every millisecond at first (the peer usually posts
-        at once), then less often, up to every :data:`POLL_S`.
-        """
+        """The value another rank :meth:`post` s (or :meth:`withdraw` s) under ``key``: one
+        blocking wait on the store, of ``timeout_s`` on a peer (more while the call
+        progresses)."""
         name = f"posted/{key}"
+        self._blocking(name, what)
+        return self._released(name)
 
-        self.wait(polled(lambda: self._store.check([name]), 0.001), what, peer=True)
-        return bytes(self._store.get(name)).decode()
+    def _released(self, key: str) -> str:
+        """The value of ``key``, set; :class:`PeerFailed` if a failing rank set it instead
+        (:meth:`announce`, :meth:`withdraw`), marked on the node's page too."""
+        value = bytes(self._store.get(key)).decode()
+        if value.startswith(_FAILED):
+            if self._node is not None:
+                self._node.fail()
+            raise PeerFailed(value.removeprefix(_FAILED))
+        return value
 
-    def arrive(self, key: str) -> None:
-        """Count this rank in at ``key`` (for a rank waiting in :meth:`arrivals`)."""
-        self._store.add(f"arrived/{key}", 1)
+    def barrier(self, what: str) -> None:
+        """Until every rank of the call arrived here: a barrier with no process group.
 
-    def arrivals(self, key: str, count: int, what: str) -> None:
-        """:meth:`wait` on peers until ``count`` ranks :meth:`arrive` d at ``key``: a barrier of
-        a few ranks that needs no process group."""
-        name = f"arrived/{key}"
-        self.wait(polled(lambda: self._store.add(name, 0) >= count, 0.001), what, peer=True)
+        With a :class:`Node` attached, a node's ranks arrive on its page and its
+        leader arrives for them all: one ``add`` per node, and one blocking
+        ``wait`` per leader on a key the last arriver sets (or a failure,
+        :meth:`announce`); the other ranks look at their page. Without one, each
+        rank does that itself.
+
+        :raises PeerFailed: at once, when any rank announces a failure.
+        :raises Stalled: as :meth:`wait` on a peer does.
+        """
+        gate, node = _gate(self._barriers), self._node
+        passed = self._barriers + 1
+        if node is not None and not node.leads:
+            node.arrive()
+            # the leader's own wait is bounded; it opens the gate or announces the failure
+            self.wait(polled_locally(lambda: node.gate() >= passed), what, peer=True, grace=2)
+            self._barriers = passed
+            return
+        if node is not None:
+            ranks = f"this node's {node.size} ranks to arrive ({what})"
+            self.wait(polled_locally(lambda: node.arrived(passed)), ranks, peer=True)
+        if self._store.add(f"arrived/{gate}", node.size if node else 1) == self.world:
+            self._store.compare_set(gate, "", _GO)
+        self._blocking(gate, what)
+        self._released(gate)
+        self._barriers = passed
+        if node is not None:
+            node.open(passed)
+
+    def _blocking(self, key: str, what: str) -> None:
+        """One blocking store wait for ``key`` (on a peer), renewed while the call progresses.
+
+        A wait that outlasts its bound makes torch log a line of its own; that
+        happens only while a load runs longer than ``timeout_s``, or on the way
+        to :class:`Stalled`.
+        """
+        limit = self.timeout_s + PEER_GRACE_S
+        progress = self._progress()
+        while True:
+            try:
+                self._store.wait([key], datetime.timedelta(seconds=limit))
+                return
+            except Exception:  # the timeout; a store that is gone fails again below
+                if progress == (progress := self._progress()):
+                    raise self._stalled(limit, what) from None
+
+    def _stalled(self, limit: float, what: str) -> Stalled:
+        """The error of a wait of ``limit`` seconds for ``what`` that ran out, announced."""
+        extra = limit - self.timeout_s
+        bound = f"{limit:g} s (timeout_s + {extra:g} s)" if extra else f"timeout_s={limit:g} s"
+        stalled = Stalled(f"rank {self.rank} waited {bound} for {what}")
+        self.announce(stalled)
+        return stalled
 
     def wait_work(self, work: Any, what: str) -> None:
         """:meth:`wait` on another rank for a gloo ``Work`` (its own errors are raised as they are)."""
@@ -222,6 +386,11 @@ class Board:
         self.wait(done, what, peer=True)
 
 
+def _gate(number: int) -> str:
+    """The key that opens a call's barrier ``number`` (from 0), or says why it never will."""
+    return f"gate/{number}"
+
+
 def _slice(started: float, deadline: float) -> float:
     """How long the next slice of a wait that started at ``started`` may block: :data:`POLL_S`
     at first, :data:`LONG_POLL_S` after :data:`SETTLE_S`, never past the ``deadline``."""
@@ -230,29 +399,22 @@ def _slice(started: float, deadline: float) -> float:
     return max(0.001, min(length, deadline - now))  # 0 would mean "no timeout" to gloo
 
 
-def polled(
-    condition: Callable[[], bool], first_pause_s: float, *, settled_pause_s: float = LONG_POLL_S
-) -> Callable[[float], bool]:
-    """A ``ready`` for :meth:`Board.wait` that polls ``condition``: every ``first_pause_s`` at
-    first (the peer usually answers at once), then less often, up to every quarter
-    :data:`POLL_S`, and after :data:`SETTLE_S` every ``settled_pause_s`` (a condition that
-    asks the store; one that reads shared memory costs nothing and keeps looking often).
-    The pause carries over from one slice to the next."""
-    pause = first_pause_s
-    started: float | None = None
+def polled_locally(condition: Callable[[], bool]) -> Callable[[float], bool]:
+    """A ``ready`` for :meth:`Board.wait` that polls a ``condition`` costing no request (a word
+    of node-shared memory, a name in ``/dev/shm``): every 50 microseconds at first (the peer
+    usually answers at once), then less often, up to every quarter :data:`POLL_S`. The pause
+    carries over from one slice to the next."""
+    pause = 5e-5
 
     def ready(slice_s: float) -> bool:
-        nonlocal pause, started
-        now = time.monotonic()
-        started = now if started is None else started
-        deadline = now + slice_s
+        nonlocal pause
+        deadline = time.monotonic() + slice_s
         while not condition():
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
             time.sleep(min(pause, left))
-            settled = time.monotonic() - started >= SETTLE_S
-            pause = min(2 * pause, settled_pause_s if settled else POLL_S / 4)
+            pause = min(2 * pause, POLL_S / 4)
         return True
 
     return ready

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import datetime
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
@@ -37,41 +38,53 @@ def destroy_group(group: dist.ProcessGroup | None) -> None:
 
 
 class _Kept(NamedTuple):
-    """A control group kept for a call name, and the WORLD group it was made in."""
+    """The kept control group, and the WORLD group it was made in."""
 
     world: dist.ProcessGroup | None
     group: dist.ProcessGroup
 
 
-_kept: dict[str, _Kept] = {}
-"""Per call name, its kept control group."""
+_kept: list[_Kept] = []
+"""This process's kept control group, if any."""
 
 
-def kept_control(what: str, *, timeout_s: float) -> dist.ProcessGroup:
-    """A gloo group over WORLD for the phase reports of ``what``: made (collectively) by its
-    first call in this process and kept for the later ones, made anew once WORLD was rebuilt.
+def kept_control(*, timeout_s: float) -> dist.ProcessGroup:
+    """A gloo group over WORLD for the phase reports of megastart's calls (the loader's and the
+    warmup's alike): made (collectively) by the first call in this process and kept for the
+    later ones, made anew once WORLD was rebuilt.
 
     Tearing a gloo group down costs a warm 1 GB load about 40 ms of wall time even off its
     thread (its connections close one by one), a fifth of the load; kept, it holds a socket
-    per peer and two idle threads. Its gloo timeout is the first call's ``timeout_s``: a
-    call's waits that may be long (for a reader) go through its :class:`Board`. A host that
-    destroys it (or every group) makes the next call make another.
+    per peer and two idle threads, once per process rather than once per plugin. Its gloo
+    timeout is the first call's ``timeout_s``: a call's waits that may be long (for a reader)
+    go through its :class:`Board`. A host that destroys it (or every group) makes the next
+    call make another.
     """
     import torch.distributed as dist
 
     world = dist.group.WORLD
-    kept = _kept.get(what)
-    if kept is None or kept.world is not world or not _exists(kept.group):
-        kept = _kept[what] = _Kept(world, new_group(None, backend="gloo", timeout_s=timeout_s))
-    return kept.group
+    if not _kept or _kept[0].world is not world or not _exists(_kept[0].group):
+        _kept[:] = [_Kept(world, new_group(None, backend="gloo", timeout_s=timeout_s))]
+    return _kept[0].group
 
 
-def discard_control(what: str) -> None:
-    """Destroy the control group kept for ``what`` (after a failed call: it may hold operations
-    that never completed)."""
-    kept = _kept.pop(what, None)
-    if kept is not None and _exists(kept.group):
-        destroy_group(kept.group)
+def discard_control() -> None:
+    """Destroy the kept control group (after a failed call: it may hold operations that never
+    completed); the next call makes another."""
+    if _kept and _exists(_kept[0].group):
+        destroy_group(_kept[0].group)
+    _kept.clear()
+
+
+@contextmanager
+def discarding_control() -> Iterator[None]:
+    """:func:`discard_control` if the block fails (a call whose reports may not all have
+    completed)."""
+    try:
+        yield
+    except BaseException:
+        discard_control()
+        raise
 
 
 def _exists(group: dist.ProcessGroup) -> bool:

@@ -23,8 +23,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -37,6 +36,7 @@ from megastart.distributed import (
     all_or_none,
     broadcast_or_raise,
     discard_control,
+    discarding_control,
     kept_control,
 )
 from megastart.errors import SettingsError
@@ -51,6 +51,7 @@ from megastart.loader.checkpoint import (
 from megastart.loader.copier import Copier, copy_threads
 from megastart.loader.mappings import VALUE_HEAD, MappingTable
 from megastart.loader.model import UnsupportedArchitecture, local_needs, mapping_table
+from megastart.loader.node import node_board
 from megastart.loader.plan import (
     PlanError,
     build_plan,
@@ -185,7 +186,7 @@ def load_hf_checkpoint(
     """
     with (
         _sticky.guard(passes=(UnsupportedArchitecture, Untranslatable, QuantisedCheckpoint)),
-        _discarding_control(),
+        discarding_control(),  # every rank's load fails with this one
     ):
         board = Board(PLUGIN)
         with board.announcing():
@@ -226,17 +227,7 @@ def _known_table(meta: CheckpointMeta) -> MappingTable:
 def reset_state() -> None:
     """Forget a failed load: only for a process that rebuilt its process groups (tests, demos)."""
     _sticky.reset()
-    discard_control(PLUGIN)
-
-
-@contextmanager
-def _discarding_control() -> Iterator[None]:
-    """The load's kept control group goes if the load fails (every rank's fails with it)."""
-    try:
-        yield
-    except BaseException:
-        discard_control(PLUGIN)
-        raise
+    discard_control()
 
 
 def _load(
@@ -252,7 +243,7 @@ def _load(
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    control = kept_control(PLUGIN, timeout_s=own.timeout_s)
+    control = kept_control(timeout_s=own.timeout_s)
     agree(
         PLUGIN,
         {f: v for f, v in dataclasses.asdict(settings).items() if f != "progress"},
@@ -360,19 +351,25 @@ def _load(
             len(plan.buckets),
         )
     cached = settings.reader_node == "page_cache" and meta.format == "safetensors"
-    route = open_route(
-        groups,
-        nodes,
-        sets,
-        own,
-        page_cache=[cached and r.page_cache for r in by_rank],
-        backend=backend,
-        device=device,
-        board=board,
-        striped=striped,
-    )
     coverage = Coverage()
-    with phase(f"{PLUGIN}: streaming {checkpoint!r} and verifying the coverage") as loaded:
+    with (
+        phase(f"{PLUGIN}: streaming {checkpoint!r} and verifying the coverage") as loaded,
+        node_board(
+            board, [r for r, key in enumerate(nodes) if key == nodes[rank]], nodes=len(set(nodes))
+        ) as page,
+    ):
+        route = open_route(
+            groups,
+            nodes,
+            sets,
+            own,
+            page_cache=[cached and r.page_cache for r in by_rank],
+            backend=backend,
+            device=device,
+            board=board,
+            page=page,
+            striped=striped,
+        )
         if route.opens_files and nodes[rank] != nodes[0]:  # another node may mount them apart
             meta = dataclasses.replace(meta, shards=as_seen_here(meta.directory, meta.shards))
         with Copier(device, copy_threads(len(route.node))) as copier:
@@ -382,8 +379,7 @@ def _load(
         loaded.share(Streamed(read, sent))
         # A rank done early waits here, as long as the readers read; the verdict's gather
         # below is bounded by timeout_s from its start, which a long read would outlast.
-        board.arrive("streamed")
-        board.arrivals("streamed", dist.get_world_size(), "every rank to finish the stream")
+        board.barrier("every rank to finish the stream")
     moved: list[Streamed] = loaded.shared
     return LoadReport(
         plugin=PLUGIN,

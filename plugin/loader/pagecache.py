@@ -34,7 +34,7 @@ from concurrent.futures import Executor
 from errno import EINTR
 from typing import TYPE_CHECKING, Any
 
-from megastart.distributed import POLL_S, Board, CollectiveError, polled
+from megastart.distributed import Board, CollectiveError, polled_locally
 from megastart.loader.checkpoint import (
     ITEMSIZE,
     CheckpointMeta,
@@ -273,7 +273,7 @@ class Frontier:
             return False
 
         board.wait(
-            polled(reached, 5e-5, settled_pause_s=POLL_S / 4),
+            polled_locally(reached),
             f"{self._sender} to read bucket {read} of the plan",
             peer=True,
         )

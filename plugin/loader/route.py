@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from megastart.distributed import Board, OwnGroups
+from megastart.loader.node import NodeBoard
 from megastart.loader.plan import Plan
 from megastart.loader.transport import Channel, open_receiver_groups
 
@@ -43,6 +44,8 @@ class Nodes:
     """
 
     members: tuple[tuple[int, ...], ...]
+    leader_of: tuple[int, ...]
+    """Per position, its node's leader."""
 
     @classmethod
     def of(cls, keys: Sequence[object]) -> Nodes:
@@ -50,7 +53,9 @@ class Nodes:
         by_key: dict[object, list[int]] = {}
         for position, key in enumerate(keys):
             by_key.setdefault(key, []).append(position)
-        return cls(tuple(tuple(positions) for positions in by_key.values()))
+        leader = {key: positions[0] for key, positions in by_key.items()}
+        members = tuple(tuple(positions) for positions in by_key.values())
+        return cls(members, tuple(leader[key] for key in keys))
 
     @property
     def leaders(self) -> tuple[int, ...]:
@@ -66,9 +71,9 @@ class Nodes:
         return [i for i, bucket in enumerate(plan.buckets) if others.intersection(bucket.positions)]
 
     def leaders_reached(self, positions: Sequence[int]) -> tuple[int, ...]:
-        """The leaders of the nodes that hold any of ``positions``, in node order."""
-        wanted = set(positions)
-        return tuple(node[0] for node in self.members if wanted.intersection(node))
+        """The leaders of the nodes that hold any of ``positions``, in node order (a node's
+        leader is its first position, and the nodes go in the order of their first)."""
+        return tuple(sorted({self.leader_of[p] for p in positions}))
 
 
 @dataclass(slots=True)
@@ -90,6 +95,8 @@ class Route:
     """The node's ranks report a buffer read over it (a node of several ranks)."""
     board: Board
     """The load's board: where failures are announced and every wait looks."""
+    page: NodeBoard | None
+    """This rank's node's page of the board (a node of several ranks)."""
     page_cache: bool
     """This rank's node is its reader's and takes its slices out of the page cache."""
     striped: bool = False
@@ -165,6 +172,7 @@ def open_route(
     backend: str,
     device: torch.device,
     board: Board,
+    page: NodeBoard | None,
     striped: bool = False,
 ) -> Route:
     """Open every process group the stream needs (collective over WORLD); this rank's route.
@@ -176,6 +184,7 @@ def open_route(
         cache; a reader's node does if all its ranks may (never with striped readers).
     :param backend: the backend between node leaders.
     :param board: the load's board, which every channel's waits watch.
+    :param page: this rank's node's page of the board (:func:`~megastart.loader.node.node_board`).
     :param striped: each bucket is read by a leader of a node that needs it
         (``receiver_sets`` without the reader, :func:`~megastart.loader.stripes.stripe`).
     """
@@ -205,6 +214,7 @@ def open_route(
         local=None,
         done=None,
         board=board,
+        page=page,
         page_cache=cached[index] and position in its_nodes.members[0],
         striped=striped,
     )

@@ -1,8 +1,10 @@
 """Node-shared bucket memory: one POSIX shared-memory segment per node and load.
 
-The node leader creates the segment (``/dev/shm/megastart-loader-<pid>-<token>``),
-every other rank of the node maps it by name, and once all have mapped it the
-leader unlinks the name: from then on the memory lives only as long as some
+The node leader creates the segment (``/dev/shm/megastart-loader-<pid>-<token>``,
+the node's page of the board, :mod:`megastart.loader.node`; its later segments
+add ``-<n>``), filled under a ``.part`` name until it is whole, every other
+rank of the node maps it by name, and once all have mapped it the leader
+unlinks the name: from then on the memory lives only as long as some
 process maps it, so a killed process leaks nothing. A leader killed between
 creating and unlinking leaves a name behind; the next load on the node removes
 every ``megastart-loader-`` segment whose creator process is gone
@@ -17,11 +19,9 @@ too small for it is an error naming the size, not a ``SIGBUS`` mid-load.
 
 from __future__ import annotations
 
-import mmap
 import os
 import secrets
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,8 +29,6 @@ from megastart.loader.copier import page_lock, page_unlock
 
 if TYPE_CHECKING:
     import torch
-
-    from megastart.distributed import Board
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "megastart-loader-"
@@ -53,21 +51,49 @@ class Segment:
             else:
                 nbytes = os.fstat(fd).st_size
             self.nbytes = nbytes
-            self._map = mmap.mmap(fd, max(nbytes, 1))
+            # torch maps it and keeps no descriptor (``mmap.mmap`` would keep one per segment,
+            # against the open-files limit the reader's shards share)
+            self.tensor: torch.Tensor | None = torch.from_file(
+                f"/proc/self/fd/{fd}", shared=True, size=max(nbytes, 1), dtype=torch.uint8
+            )
         except BaseException:
             if create:
                 self._path.unlink(missing_ok=True)
             raise
         finally:
             os.close(fd)
-        self.tensor: torch.Tensor | None = torch.frombuffer(self._map, dtype=torch.uint8)
         self._registered = False
 
     @classmethod
-    def create(cls, nbytes: int) -> Segment:
-        """A new segment named for this load (the node leader); sweeps stale ones first."""
+    def create(
+        cls, nbytes: int, *, name: str | None = None, fill: Callable[[Segment], None] | None = None
+    ) -> Segment:
+        """A new segment (the node leader's), sweeping stale ones first: named ``name`` (one
+        that starts as this process's new ones do, for :func:`sweep_stale`), or anew.
+
+        ``fill`` writes it before it takes its name: a rank that finds the name finds it whole.
+        """
         sweep_stale()
-        return cls(f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}", nbytes, create=True)
+        name = name or f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+        segment = cls(f"{name}.part", nbytes, create=True)
+        try:
+            if fill is not None:
+                fill(segment)
+            segment._rename(segment.name.removesuffix(".part"))
+        except BaseException:
+            segment.unlink()
+            segment.close()
+            raise
+        return segment
+
+    @staticmethod
+    def exists(name: str) -> bool:
+        """Whether a segment of ``name`` has been made whole (and not yet unlinked)."""
+        return (SHM_DIR / name).exists()
+
+    def _rename(self, name: str) -> None:
+        os.rename(self._path, SHM_DIR / name)
+        self.name, self._path = name, SHM_DIR / name
 
     @classmethod
     def open(cls, name: str) -> Segment:
@@ -126,50 +152,3 @@ def _reserve(fd: int, nbytes: int, path: Path) -> None:
             f"({free.f_bavail * free.f_frsize / 2**20:.0f} MiB free in {SHM_DIR}): give the "
             "container more (docker --shm-size, or --ipc=host) or lower rank0_loader.bucket_mb",
         ) from e
-
-
-@contextmanager
-def node_segment(
-    board: Board,
-    *,
-    members: Sequence[int],
-    leads: bool,
-    nbytes: int,
-    fill: Callable[[Segment], None] | None = None,
-) -> Iterator[Segment]:
-    """The node's shared segment for one use in a load: made by the leader (``members[0]``,
-    who ``fill`` s it and posts its name on the load's ``board`` before the others look),
-    mapped whole by the node's other ranks, its name removed once all have mapped it (a
-    killed process leaks nothing), unmapped when the block ends. A leader that fails is
-    announced on the board, and the others stop."""
-    leader = members[0]
-    segment = _made_or_mapped(board, f"segment/{leader}", leads, nbytes, fill)
-    try:
-        if leads:
-            what = f"node ranks {list(members)} to map the shared segment"
-            board.arrivals(f"mapped/{leader}", len(members) - 1, what)
-            segment.unlink()
-        else:
-            board.arrive(f"mapped/{leader}")
-        yield segment
-    finally:
-        if leads:
-            segment.unlink()
-        segment.close()
-
-
-def _made_or_mapped(
-    board: Board, key: str, leads: bool, nbytes: int, fill: Callable[[Segment], None] | None
-) -> Segment:
-    if not leads:
-        return Segment.open(board.read(key, "the name of the node's shared segment"))
-    segment = Segment.create(nbytes)
-    try:
-        if fill is not None:
-            fill(segment)
-        board.post(key, segment.name)
-    except BaseException:
-        segment.unlink()
-        segment.close()
-        raise
-    return segment

@@ -26,10 +26,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 from megastart.loader.checkpoint import CheckpointMeta
 from megastart.loader.copier import Copier
 from megastart.loader.dequantise import BlockScaled
+from megastart.loader.node import node_segment
 from megastart.loader.pagecache import Frontier
 from megastart.loader.plan import Bucket, Need, Plan, Slot
 from megastart.loader.route import Route
-from megastart.loader.shm import Segment, node_segment
+from megastart.loader.shm import Segment
 from megastart.loader.transforms import TRANSFORMS, Shard
 from megastart.loader.transport import IN_FLIGHT, Channel, slot_view
 from megastart.loader.verify import Coverage
@@ -172,11 +173,10 @@ class Stream:
     def segment(
         self, nbytes: int, fill: Callable[[Segment], None] | None = None
     ) -> AbstractContextManager[Segment]:
-        """The node's shared segment of ``nbytes`` (see :func:`~megastart.loader.shm.node_segment`)."""
+        """The node's shared segment of ``nbytes`` (see :func:`~megastart.loader.node.node_segment`)."""
         route = self.route
-        return node_segment(
-            route.board, members=route.members, leads=route.leads, nbytes=nbytes, fill=fill
-        )
+        assert route.page is not None  # a node of several ranks has one
+        return node_segment(route.board, route.page, route.members, nbytes=nbytes, fill=fill)
 
     def drain(self) -> None:
         """Wait for the queued copies and broadcasts: the loader's groups are destroyed next."""

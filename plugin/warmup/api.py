@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from importlib import import_module
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -126,22 +127,31 @@ def _warmup(
 ) -> WarmupReport:
     import torch.distributed as dist
 
-    from megastart.distributed import CollectiveError, all_or_none, destroy_group, new_group
+    from megastart.distributed import (
+        Board,
+        CollectiveError,
+        all_or_none,
+        discarding_control,
+        kept_control,
+    )
     from megastart.warmup import groups, ops
 
     timeout_s = settings.timeout_s
     start = time.perf_counter()
-    try:  # creating the check-in group waits for every rank, at most timeout_s
-        control = new_group(None, backend="gloo", timeout_s=timeout_s)
-    except Exception as e:
+    board = Board("comm_warmup")
+    try:  # through the store: a rank that never comes is named, and no group is made
+        board.check_in(timeout_s)
+    except CollectiveError as e:
         raise CollectiveError(
             f"comm_warmup: rank {dist.get_rank()}: the training ranks did not all start the "
             f"warmup within timeout_s={timeout_s:g} s (a rank died, hung, or does not run it); "
-            f"no communicator was touched: {type(e).__name__}: {e}"
+            f"no communicator was touched: {e}"
         ) from e
-    try:
+    with discarding_control():  # the loader's, kept for the process: the warmup makes none
+        control = kept_control(timeout_s=timeout_s)
+        phase = partial(all_or_none, timeout_s=timeout_s, control=control, board=board)
         _check_same_settings(settings, control)
-        with all_or_none("comm_warmup: plan", timeout_s=timeout_s, control=control):
+        with phase("comm_warmup: plan"):
             warm = groups.step_groups(parallel_state, model_config, ddp_config)
             steps = ops.plan(
                 warm,
@@ -150,11 +160,9 @@ def _warmup(
                 parallel_state=parallel_state,
             )
         free_before = _gpu_free_bytes()
-        with all_or_none("comm_warmup: run", timeout_s=timeout_s, control=control):
+        with phase("comm_warmup: run"):
             done = ops.perform(steps, timeout_s=timeout_s)
         free_after = _gpu_free_bytes()
-    finally:
-        destroy_group(control)
     report = WarmupReport(
         trigger=trigger,
         groups=tuple(dict.fromkeys(group for group, _ in done)),

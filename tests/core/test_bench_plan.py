@@ -13,6 +13,8 @@ from support.loader_ranks import parameter_shapes
 
 from megastart.bench.plan import Layout, hf_tensors, rank_parameters
 from megastart.cli import main
+from megastart.distributed import POLL_S
+from megastart.distributed.board import LONG_POLL_S
 from megastart.harness.launch import RankPool
 from megastart.loader.checkpoint import read_metadata
 
@@ -64,4 +66,10 @@ def test_bench_plan_world_reports_each_role(tmp_path: Path) -> None:
         assert figures["plan_s"] > 0 and figures["plan_mb"] > 0
         # the control group, a group among the 8 leaders, and each other node's two
         assert figures["groups"] > 1 + 1 + 2 * 7
-        assert figures["store_rps"]["first"] > figures["store_rps"]["settled"] > 0
+    # 8 leaders look at the store every POLL_S while they wait (the store is idle with so few),
+    # every LONG_POLL_S once settled, and every PROGRESS_LOOK_S at the readers' progress; the
+    # other 56 ranks look at their node's page
+    leader = results["roles"]["leader"]["store_rps"]
+    assert leader["first"] >= 1 / POLL_S - 2 and leader["settled"] <= 1 / LONG_POLL_S + 1, leader
+    assert results["roles"]["member"]["store_rps"] == {"first": 0, "settled": 0}
+    assert results["store_rps_world"]["settled"] == pytest.approx(8 * leader["settled"])
