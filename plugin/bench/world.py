@@ -9,8 +9,10 @@ node; a member of the first node) runs what ``load_hf_checkpoint`` runs on it be
 first byte moves, with the loader's own functions: the unused tensors, the plan, the
 receiver sets, the stream's process groups, and the stream's lookups of where each bucket
 goes. Figures per role: process CPU seconds (best of ``--repeats``), the peak of Python
-memory it allocated (``tracemalloc``, the gathered demands included), the process groups it
-creates (every ``new_group`` is made by every rank), and the store requests per second of a
+memory it allocated (``tracemalloc``, the gathered demands included), the process groups
+each load makes (every ``new_group`` is made by every rank) and the groups of the control
+plane's tree it is in (made once per process, :mod:`megastart.distributed.control`), and the
+store requests per second of a
 rank waiting at the board (the real :class:`~megastart.distributed.Board` wait with its node's
 real page attached, a leader's or another rank's, over a store of one process, counted as they
 go out), in the first seconds of a wait and once settled; and the world's, every rank waiting.
@@ -44,7 +46,9 @@ def measure_world(
 
     :param demands_by_rank: every rank's demands (:meth:`~megastart.loader.plan.Need.demands`).
     """
+    from megastart.distributed import tree_levels
     from megastart.loader.plan import packed
+    from megastart.loader.route import Nodes
 
     # Each rank packs its demands into what it shares (replicas the same bytes); every rank
     # unpickles all of that.
@@ -59,7 +63,18 @@ def measure_world(
         del roles["member"]
     nodes = world // ranks_per_node
     rates = {leads: store_requests_per_second(leads=leads, nodes=nodes) for leads in (True, False)}
-    results: dict[str, Any] = {"demands_mb": sum(map(len, gathered)) / 2**20, "roles": {}}
+    tree = [group for level in tree_levels(Nodes.of(keys).members) for group in level]
+    results: dict[str, Any] = {
+        "demands_mb": sum(map(len, gathered)) / 2**20,
+        "roles": {},
+        "control": {  # kept for the process: made by its first load
+            "groups": len(tree),
+            "largest": max(map(len, tree), default=1),
+            # gloo asks the store for each peer's address, once per pair and direction, and
+            # each rank says its node (an add and a set), checks in, and meets once more
+            "store_requests": sum(len(g) * (len(g) - 1) for g in tree) + 8 * world,
+        },
+    }
     for role, rank in roles.items():
         work = _planning(gathered, meta, keys, rank, role, bucket_mb)
         results["roles"][role] = {
@@ -67,6 +82,7 @@ def measure_world(
             "plan_s": _best_cpu(repeats, work),
             "plan_mb": _peak_mb(work),
             "groups": work()["groups"],
+            "control_groups": sum(rank in group for group in tree),
             "store_rps": rates[role != "member"],
         }
     results["store_rps_world"] = {  # every rank waiting at once: the leaders, and the others
@@ -108,8 +124,8 @@ def _planning(
             looked = len(nodes.local_buckets(rank, plan))
         else:  # the reader's and the leaders' Route.leaders_for of every bucket
             looked = sum(len(nodes.leaders_reached(b.positions)) for b in plan.buckets)
-        # the kept control group, the leaders' groups, each node's two (headers and reports)
-        return {"groups": 1 + len(leader_sets) + 2 * len(node_sets), "looked": looked}
+        # per load, made by every rank: the leaders' groups, each node's two (headers, reports)
+        return {"groups": len(leader_sets) + 2 * len(node_sets), "looked": looked}
 
     return work
 

@@ -1,8 +1,10 @@
 """Collective safety: bounded waits, and one rank's failure raised on every rank.
 
 Every megastart collective runs inside :func:`all_or_none`: the block runs on
-every rank, then the ranks agree (over a gloo control group of their own,
-bounded by ``timeout_s``) on whether any of them failed. If one did, every rank
+every rank, then the ranks agree (over their control plane, :class:`Control`: a tree of
+small gloo groups, each node's ranks and then at most :data:`FANOUT` node leaders at a
+time, made from the store and kept for the process; bounded by ``timeout_s``) on whether
+any of them failed. If one did, every rank
 raises the same :class:`CollectiveError`, naming the rank and its error. A rank
 that died or never arrived makes the others raise after ``timeout_s`` instead of
 hanging.
@@ -17,7 +19,7 @@ waiting costs the store about a request a second per node. :class:`Sticky` makes
 process fail at once when it is made again.
 
 The modules: :mod:`.errors`, :mod:`.board`, :mod:`.groups`, :mod:`.agreement`,
-:mod:`.sticky`.
+:mod:`.sticky`, :mod:`.control`.
 """
 
 from megastart.distributed.agreement import Outcome, agree, all_or_none, broadcast_or_raise
@@ -29,6 +31,7 @@ from megastart.distributed.board import (
     Node,
     polled_locally,
 )
+from megastart.distributed.control import FANOUT, Control, make_control, node_key, tree_levels
 from megastart.distributed.errors import (
     CollectiveError,
     FailedBefore,
@@ -50,7 +53,9 @@ __all__ = [
     "POLL_S",
     "PROGRESS_LOOK_S",
     "Board",
+    "FANOUT",
     "CollectiveError",
+    "Control",
     "FailedBefore",
     "Node",
     "Outcome",
@@ -65,6 +70,9 @@ __all__ = [
     "discard_control",
     "discarding_control",
     "kept_control",
+    "make_control",
     "new_group",
+    "node_key",
     "polled_locally",
+    "tree_levels",
 ]

@@ -8,13 +8,12 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from megastart.distributed.board import Board
+from megastart.distributed.board import PEER_GRACE_S, Board
 from megastart.distributed.errors import PeerFailed, describe
-from megastart.distributed.groups import destroy_group, new_group
 from megastart.errors import CollectiveError
 
 if TYPE_CHECKING:
-    import torch.distributed as dist
+    from megastart.distributed.control import Control
 
 
 class Outcome:
@@ -39,25 +38,22 @@ def all_or_none(
     what: str,
     *,
     timeout_s: float,
-    control: dist.ProcessGroup | None = None,
+    control: Control,
     board: Board | None = None,
 ) -> Iterator[Outcome]:
     """Run the block on every rank; if it fails on any rank, raise on every rank.
 
     :param what: what the block does, for the message (``"rank0_loader: stream"``).
-    :param timeout_s: how long a rank waits for the others to report.
-    :param control: a gloo group over the participating ranks; by default one
-        over WORLD is made for this call and destroyed after it. The block must
-        leave no operation of its own pending on it.
+    :param timeout_s: how long a rank may take in the block; it waits for the others' reports
+        that and twice :data:`~megastart.distributed.PEER_GRACE_S` longer.
+    :param control: the control plane the ranks report over
+        (:func:`~megastart.distributed.kept_control`).
     :param board: the call's :class:`Board`: an error is announced there as
         soon as it leaves the block; the message names the rank whose own error
         it was, not the ranks that stopped because of it (:class:`PeerFailed`).
     """
     import torch.distributed as dist
 
-    own_control = control is None
-    if control is None:
-        control = new_group(None, backend="gloo", timeout_s=timeout_s)
     outcome = Outcome()
     local: BaseException | None = None
     try:
@@ -66,65 +62,52 @@ def all_or_none(
         local = e
         if board is not None:
             board.announce(e)
+    mine = None if local is None else describe(local)
+    secondary = isinstance(local, PeerFailed)
+    waited_s = timeout_s + 2 * PEER_GRACE_S  # a rank stalled in its own work names it first
     try:
-        mine = None if local is None else describe(local)
-        secondary = isinstance(local, PeerFailed)
-        reports: list[tuple[str | None, bool, Any]] = [(None, False, None)] * dist.get_world_size(
-            control
+        reports: list[tuple[str | None, bool, Any]] = control.gather(
+            (mine, secondary, outcome._mine if local is None else None), timeout_s=waited_s
         )
-        try:
-            dist.all_gather_object(
-                reports,
-                (mine, secondary, outcome._mine if local is None else None),
-                group=control,
-            )
-        except Exception as e:
-            here = "" if mine is None else f" failed on rank {dist.get_rank()}: {mine};"
-            raise CollectiveError(
-                f"{what}{here} the other ranks did not report within {timeout_s:.0f} s "
-                f"(a rank died, hung, or never entered this step): {e}"
-            ) from (local or e)
-        failed = sorted(  # a rank's own error first, then those it made others stop with
-            (peer, dist.get_global_rank(control, i), report)
-            for i, (report, peer, _) in enumerate(reports)
-            if report is not None
-        )
-        if failed:
-            _, first_rank, first = failed[0]
-            rest = sorted(rank for peer, rank, _ in failed[1:] if not peer)
-            others = f" (and on ranks {rest})" if rest else ""
-            raise CollectiveError(f"{what} failed on rank {first_rank}{others}: {first}") from local
-        outcome.shared = [value for _, _, value in reports]
-    finally:
-        if own_control:
-            destroy_group(control)
+    except Exception as e:
+        here = "" if mine is None else f" failed on rank {dist.get_rank()}: {mine};"
+        raise CollectiveError(
+            f"{what}{here} the other ranks did not report within {waited_s:.0f} s "
+            f"(a rank died, hung, or never entered this step): {e}"
+        ) from (local or e)
+    failed = sorted(  # a rank's own error first, then those it made others stop with
+        (peer, rank, report) for rank, (report, peer, _) in enumerate(reports) if report is not None
+    )
+    if failed:
+        _, first_rank, first = failed[0]
+        rest = sorted(rank for peer, rank, _ in failed[1:] if not peer)
+        others = f" (and on ranks {rest})" if rest else ""
+        raise CollectiveError(f"{what} failed on rank {first_rank}{others}: {first}") from local
+    outcome.shared = [value for _, _, value in reports]
 
 
 def broadcast_or_raise(
-    what: str, produce: Callable[[], Any], *, src: int, timeout_s: float, control: dist.ProcessGroup
+    what: str, produce: Callable[[], Any], *, timeout_s: float, control: Control
 ) -> Any:
-    """``produce()`` run on rank ``src``, its result returned on every rank; its error raised on every rank.
+    """``produce()`` run on rank 0, its result returned on every rank; its error raised on every rank.
 
-    One broadcast: the other ranks have nothing to report, so no all-gather is needed.
+    One broadcast: the other ranks have nothing to report, so no gather is needed.
     ``produce()`` runs on a thread of its own: if it has not returned within ``timeout_s``
     (a read the storage never answers), that is the error, on every rank; the thread
     is left to the kernel.
     """
     import torch.distributed as dist
 
-    box: list[Any] = [None]
-    if dist.get_rank() == src:
-        box[0] = _bounded(produce, timeout_s)
-    try:
-        dist.broadcast_object_list(box, src=src, group=control)
+    mine = _bounded(produce, timeout_s) if dist.get_rank() == 0 else None
+    try:  # the others wait longer than rank 0 gives produce(): its error is the one named
+        error, value = control.broadcast(mine, timeout_s=timeout_s + 2 * PEER_GRACE_S)
     except Exception as e:
         raise CollectiveError(
-            f"{what}: rank {src} did not send its result within {timeout_s:.0f} s "
+            f"{what}: rank 0 did not send its result within {timeout_s:.0f} s "
             f"(it died, hung, or never entered this step): {e}"
         ) from e
-    error, value = box[0]
     if error is not None:
-        raise CollectiveError(f"{what} failed on rank {src}: {error}")
+        raise CollectiveError(f"{what} failed on rank 0: {error}")
     return value
 
 
@@ -149,21 +132,19 @@ def _bounded(produce: Callable[[], Any], timeout_s: float) -> tuple[str | None, 
     return outcome[0]
 
 
-def agree(what: str, values: Mapping[str, Any], *, control: dist.ProcessGroup, fix: str) -> None:
+def agree(
+    what: str, values: Mapping[str, Any], *, control: Control, timeout_s: float, fix: str
+) -> None:
     """Raise on every rank if the ranks were given different ``values`` (a variable set on
     one node only): their collectives would not match, and would wait or abort.
 
     :param fix: what to do about it, for the message.
     """
-    import torch.distributed as dist
-
-    everyone: list[Any] = [None] * dist.get_world_size(control)
-    dist.all_gather_object(everyone, dict(values), group=control)
+    everyone = control.gather(dict(values), timeout_s=timeout_s)
     differ = []
     for key in values:
         ranks_by_value: dict[str, list[int]] = {}
-        for index, theirs in enumerate(everyone):
-            rank = dist.get_global_rank(control, index)
+        for rank, theirs in enumerate(everyone):
             ranks_by_value.setdefault(repr(theirs.get(key)), []).append(rank)
         if len(ranks_by_value) > 1:
             differ.append(

@@ -9,6 +9,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, NamedTuple
 
+from megastart.distributed.control import Control, make_control
+
 if TYPE_CHECKING:
     import torch.distributed as dist
 
@@ -38,42 +40,41 @@ def destroy_group(group: dist.ProcessGroup | None) -> None:
 
 
 class _Kept(NamedTuple):
-    """The kept control group, and the WORLD group it was made in."""
+    """The kept control plane, and the WORLD group it was made in."""
 
     world: dist.ProcessGroup | None
-    group: dist.ProcessGroup
+    control: Control
 
 
 _kept: list[_Kept] = []
-"""This process's kept control group, if any."""
+"""This process's kept control plane, if any."""
 
 
-def kept_control(*, timeout_s: float) -> dist.ProcessGroup:
-    """A gloo group over WORLD for the phase reports of megastart's calls (the loader's and the
-    warmup's alike): made (collectively) by the first call in this process and kept for the
-    later ones, made anew once WORLD was rebuilt.
+def kept_control(*, timeout_s: float) -> Control:
+    """The control plane for the phase reports of megastart's calls (the loader's and the
+    warmup's alike): its tree of small gloo groups (:mod:`.control`) made by the first call in
+    this process (collectively, through the store) and kept for the later ones, made anew
+    once WORLD was rebuilt.
 
-    Tearing a gloo group down costs a warm 1 GB load about 40 ms of wall time even off its
-    thread (its connections close one by one), a fifth of the load; kept, it holds a socket
-    per peer and two idle threads, once per process rather than once per plugin. Its gloo
-    timeout is the first call's ``timeout_s``: a call's waits that may be long (for a reader)
-    go through its :class:`Board`. A host that destroys it (or every group) makes the next
-    call make another.
+    Making and tearing down even small gloo groups costs a warm load tens of milliseconds;
+    kept, they hold a socket per peer of the groups this rank is in. Their gloo timeout is
+    the first call's ``timeout_s``; each collective on them is bounded by its own.
     """
     import torch.distributed as dist
 
     world = dist.group.WORLD
-    if not _kept or _kept[0].world is not world or not _exists(_kept[0].group):
-        _kept[:] = [_Kept(world, new_group(None, backend="gloo", timeout_s=timeout_s))]
-    return _kept[0].group
+    if not _kept or _kept[0].world is not world:
+        _kept[:] = [_Kept(world, make_control(timeout_s))]
+    return _kept[0].control
 
 
 def discard_control() -> None:
-    """Destroy the kept control group (after a failed call: it may hold operations that never
-    completed); the next call makes another."""
-    if _kept and _exists(_kept[0].group):
-        destroy_group(_kept[0].group)
+    """Let the kept control plane go (after a failed call: its groups may hold operations
+    that never completed); the next call makes another. Its connections close off this
+    thread (gloo closes them one at a time)."""
+    dropped = list(_kept)
     _kept.clear()
+    threading.Thread(target=dropped.clear, name="megastart-control-teardown").start()
 
 
 @contextmanager
@@ -85,13 +86,6 @@ def discarding_control() -> Iterator[None]:
     except BaseException:
         discard_control()
         raise
-
-
-def _exists(group: dist.ProcessGroup) -> bool:
-    """Whether ``group`` is still registered (not destroyed by the host since)."""
-    from torch.distributed import distributed_c10d
-
-    return group in distributed_c10d._world.pg_map
 
 
 class OwnGroups:

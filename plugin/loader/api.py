@@ -38,6 +38,7 @@ from megastart.distributed import (
     discard_control,
     discarding_control,
     kept_control,
+    node_key,
 )
 from megastart.errors import SettingsError
 from megastart.loader import pagecache, roles
@@ -66,7 +67,7 @@ from megastart.loader.route import Nodes, open_route
 from megastart.loader.settings import Rank0LoaderSettings
 from megastart.loader.stream import Stream
 from megastart.loader.stripes import stripe
-from megastart.loader.transport import node_key, reader_groups
+from megastart.loader.transport import reader_groups
 from megastart.loader.verify import Coverage
 from megastart.records import LoadReport
 
@@ -87,7 +88,7 @@ class RankDemands(NamedTuple):
     """What one rank tells the others when planning."""
 
     node: tuple[str, int]
-    """Its node (:func:`~megastart.loader.transport.node_key`)."""
+    """Its node (:func:`~megastart.distributed.node_key`)."""
     demands: bytes
     """The HF tensors each of its parameters takes, and the parameter's dtype
     (:func:`~megastart.loader.plan.packed`: replicas send the same bytes, unpacked once)."""
@@ -248,6 +249,7 @@ def _load(
         PLUGIN,
         {f: v for f, v in dataclasses.asdict(settings).items() if f != "progress"},
         control=control,
+        timeout_s=own.timeout_s,
         fix="set the MEGASTART_RANK0_LOADER_* variables (or the megastart.rank0_loader config) "
         "the same on every rank",
     )
@@ -256,7 +258,6 @@ def _load(
     meta: CheckpointMeta | None = broadcast_or_raise(
         f"{PLUGIN}: reading the metadata of {checkpoint!r}",
         partial(_metadata, checkpoint, settings.allow_pickle, bridge),
-        src=0,
         timeout_s=settings.timeout_s,
         control=control,
     )

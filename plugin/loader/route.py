@@ -1,7 +1,7 @@
 """How buckets reach each rank: between nodes over the leaders' group, inside a node through shared memory.
 
 A reader group (every rank with ``reader=global``, one node with ``reader=node``)
-is split into its nodes (:func:`~megastart.loader.transport.node_key`). Each
+is split into its nodes (:func:`~megastart.distributed.node_key`). Each
 node's lowest rank leads it; the reader leads its own node. A bucket crosses
 to each other node that needs it once, broadcast among the leaders that need
 it; inside a node it is written once into the leader's shared-memory buffers
@@ -9,9 +9,9 @@ it; inside a node it is written once into the leader's shared-memory buffers
 of them, in parallel, with no socket. Small per-bucket headers ("bucket in
 buffer *s*", or the reader's error) go over a gloo group of the node, and a
 second one carries "done with that buffer" back, so the leader knows when it may
-refill a buffer. Neither is the phases' control group: a stream that failed may
-leave operations pending on its groups, and the control group must still
-carry every rank's error. Every wait on them watches the load's
+refill a buffer. Neither is a group of the phases' control plane: a stream that
+failed may leave operations pending on its groups, and the control plane must
+still carry every rank's error. Every wait on them watches the load's
 :class:`~megastart.distributed.Board`.
 
 The reader's node takes its slices out of the page cache instead

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -71,19 +70,6 @@ about this size and read in parallel."""
 
 class ReaderError(MegastartError, RuntimeError):
     """The reader rank could not read a bucket; raised on every rank of its group."""
-
-
-def node_key() -> tuple[str, int]:
-    """This rank's node: host name and the global rank of the node's local rank 0.
-
-    Honours ``LOCAL_RANK`` (torchrun, Ray, RankPool), so several "nodes" can be
-    simulated on one host; without it, the host name alone decides.
-    """
-    import torch.distributed as dist
-
-    local_rank = os.environ.get("LOCAL_RANK")
-    first = dist.get_rank() - int(local_rank) if local_rank is not None else -1
-    return socket.gethostname(), first
 
 
 def reader_groups(reader: str, keys: Sequence[tuple[str, int]]) -> list[list[int]]:

@@ -26,6 +26,7 @@ from megastart.records import WarmupReport
 from megastart.warmup.settings import CommWarmupSettings
 
 if TYPE_CHECKING:
+    from megastart.distributed import Control
     from megastart.records import EngineContext
 
 log = logging.getLogger("megastart")
@@ -176,7 +177,7 @@ def _warmup(
     return report
 
 
-def _check_same_settings(settings: CommWarmupSettings, control: Any) -> None:
+def _check_same_settings(settings: CommWarmupSettings, control: Control) -> None:
     """Raise on every rank if the ranks' settings differ: their operations would not match."""
     from megastart.distributed import agree
 
@@ -184,6 +185,7 @@ def _check_same_settings(settings: CommWarmupSettings, control: Any) -> None:
         "comm_warmup",
         {"message_bytes": tuple(settings.message_bytes), "timeout_s": settings.timeout_s},
         control=control,
+        timeout_s=settings.timeout_s,
         fix="set the MEGASTART_COMM_WARMUP_* variables (or the megastart.comm_warmup config) "
         "the same on every rank",
     )

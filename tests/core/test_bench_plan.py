@@ -64,8 +64,11 @@ def test_bench_plan_world_reports_each_role(tmp_path: Path) -> None:
     assert [r["rank"] for r in results["roles"].values()] == [0, 8, 1]
     for figures in results["roles"].values():
         assert figures["plan_s"] > 0 and figures["plan_mb"] > 0
-        # the control group, a group among the 8 leaders, and each other node's two
-        assert figures["groups"] > 1 + 1 + 2 * 7
+        # per load: a group among the 8 leaders, and each other node's two
+        assert figures["groups"] > 1 + 2 * 7
+    # the control plane: each node's group, and one of the 8 leaders (rank 0 and 8 are in it)
+    assert [r["control_groups"] for r in results["roles"].values()] == [2, 2, 1]
+    assert results["control"]["groups"] == 8 + 1 and results["control"]["largest"] == 8
     # 8 leaders look at the store every POLL_S while they wait (the store is idle with so few),
     # every LONG_POLL_S once settled, and every PROGRESS_LOOK_S at the readers' progress; the
     # other 56 ranks look at their node's page

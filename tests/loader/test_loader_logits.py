@@ -165,17 +165,18 @@ def test_world_of_eight_dp2_tp2_pp2_on_four_nodes(checkpoints: Any) -> None:
 
 
 @pytest.mark.parametrize("layout", ["tp2", "tp2_pp2"])
-def test_loader_destroys_its_stream_groups_and_keeps_one_control_group(
+def test_loader_destroys_its_stream_groups_and_keeps_its_control_plane(
     rank_pools: Any, checkpoints: Any, layout: str
 ) -> None:
-    """The groups between nodes and inside them go after each load; the gloo group the phases
-    report over is made once per process and kept for the next load."""
+    """The groups between nodes and inside them go after each load; the control plane the
+    phases report over (here the one node's gloo group) is made once per process, kept for
+    the next load, and never registered with torch.distributed."""
     world, parallel = LAYOUTS[layout]
     directory, _ = checkpoints("llama", False)
-    for before, after_one, after_two in rank_pools[world].run(
-        process_groups_before_and_after_loads, directory, parallel
-    ):
-        assert after_one == after_two == before + 1
+    for result in rank_pools[world].run(process_groups_before_and_after_loads, directory, parallel):
+        before, after_one, after_two = result["registered"]
+        assert after_one == after_two == before
+        assert result["control"] == [tuple(range(world))] and result["same_control"]
 
 
 def test_each_bucket_crosses_once_to_the_node_that_needs_it(

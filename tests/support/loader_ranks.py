@@ -269,19 +269,27 @@ def load_for_engine_counting_warnings(checkpoint: str) -> tuple[Any, int]:
 
 def process_groups_before_and_after_loads(
     checkpoint: str, layout: dict[str, int]
-) -> tuple[int, int, int]:
-    """How many process groups exist before a load, after it, and after a second one."""
+) -> dict[str, Any]:
+    """How many process groups torch.distributed holds before a load, after it, and after a
+    second one; and the control plane's groups after each load."""
     from torch.distributed import distributed_c10d
 
     from megastart import load_hf_checkpoint
+    from megastart.distributed import kept_control
 
     with megatron(layout):
         chunks = build(checkpoint)
         counts = [len(distributed_c10d._world.pg_map)]
+        kept = []
         for _ in range(2):
             load_hf_checkpoint(chunks, checkpoint, settings=settings(reader="node"))
             counts.append(len(distributed_c10d._world.pg_map))
-        return counts[0], counts[1], counts[2]
+            kept.append(kept_control(timeout_s=60.0))
+        return {
+            "registered": counts,
+            "control": kept[0].group_ranks,
+            "same_control": kept[0] is kept[1],
+        }
 
 
 def load_counting_received_bytes(

@@ -195,6 +195,7 @@ def test_ranks_with_different_settings_all_raise_before_any_operation() -> None:
 def warm_twice_counting_groups() -> dict[str, int]:
     from torch.distributed.distributed_c10d import _world
 
+    from megastart.distributed import kept_control
     from megastart.harness.cpu import destroy_megatron, initialize_megatron
     from megastart.warmup.api import reset_state, warmup_communicators
     from megastart.warmup.settings import CommWarmupSettings
@@ -207,14 +208,17 @@ def warm_twice_counting_groups() -> dict[str, int]:
             reset_state()  # a warmup per restart: as after a second recover load
             warmup_communicators(settings=CommWarmupSettings(timeout_s=TIMEOUT_S))
             made.append(_world.group_count - before)
-        return {"first": made[0], "second": made[1]}
+        control = kept_control(timeout_s=TIMEOUT_S).group_ranks
+        return {"first": made[0], "second": made[1], "control": control}
     finally:
         destroy_megatron()
 
 
-def test_the_warmup_makes_no_process_group_of_its_own_after_the_first_call() -> None:
-    """It reports over megastart's kept control group (the loader's too), made once per
-    process, not over a group over the whole world made and destroyed per call."""
+def test_the_warmup_makes_no_process_group_over_the_world() -> None:
+    """It reports over megastart's kept control plane (the loader's too): small gloo groups
+    made once per process from the store, here the one node's, and never registered with
+    torch.distributed (so the host's groups keep their names and counts); not over a group
+    over the whole world made and destroyed per call."""
     with RankPool(2, timeout_s=300) as pool:
         results = pool.run(warm_twice_counting_groups)
-    assert results == [{"first": 1, "second": 0}] * 2
+    assert results == [{"first": 0, "second": 0, "control": [(0, 1)]}] * 2

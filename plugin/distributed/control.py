@@ -1,0 +1,245 @@
+"""The control plane: the ranks' reports travel up and down a tree of small gloo groups (each
+node's ranks, then up to :data:`FANOUT` node leaders at a time), never through a group over
+the whole world.
+
+A gloo group connects every pair of its ranks through torch.distributed's store: over 8,192
+ranks that is 67 million store requests and 8,191 sockets per process before its first
+message. The tree's groups hold a node (8 ranks) or :data:`FANOUT` leaders: at 8,192 ranks of
+8 per node, a rank is in one group (two for a node leader, three or four for the few at the
+top) and making them all costs the store about 0.1 million requests. They are made from the
+store directly (``ProcessGroupGloo`` over a prefix of it), by their own ranks only: no
+collective over WORLD, and the host's process-group bookkeeping is left as it was.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import pickle
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+FANOUT = 32
+"""The most node leaders in one group of the tree (a node's group holds all its ranks)."""
+
+_trees = 0
+"""How many trees this process made (the same on every rank while they make them together)."""
+
+
+def node_key() -> tuple[str, int]:
+    """This rank's node: host name and the global rank of the node's local rank 0.
+
+    Honours ``LOCAL_RANK`` (torchrun, Ray, RankPool), so several "nodes" can be
+    simulated on one host; without it, the host name alone decides.
+    """
+    import torch.distributed as dist
+
+    local_rank = os.environ.get("LOCAL_RANK")
+    first = dist.get_rank() - int(local_rank) if local_rank is not None else -1
+    return socket.gethostname(), first
+
+
+def tree_levels(
+    nodes: Sequence[Sequence[int]], fanout: int = FANOUT
+) -> list[list[tuple[int, ...]]]:
+    """The groups of the tree over ``nodes`` (each a node's global ranks), level by level from
+    the nodes up; every group's ranks ascending, its first the one that goes up a level.
+
+    Level 0 holds the nodes of several ranks; each later level cuts the leaders of the one
+    below (the first rank of each of its groups, and of each node of one rank) into groups
+    of at most ``fanout``, until one group holds them all. Rank 0, the lowest, leads every
+    group it is in.
+    """
+    levels = [[tuple(sorted(node)) for node in nodes if len(node) > 1]]
+    climbing = sorted(min(node) for node in nodes)
+    while len(climbing) > 1:
+        level = [tuple(climbing[i : i + fanout]) for i in range(0, len(climbing), fanout)]
+        levels.append([group for group in level if len(group) > 1])  # one alone just climbs
+        climbing = [group[0] for group in level]
+    return levels
+
+
+@dataclass(frozen=True)
+class _Group:
+    """One group of the tree that this rank is in."""
+
+    ranks: tuple[int, ...]
+    """Global ranks, ascending; the first leads."""
+    index: int
+    """This rank's place in ``ranks``."""
+    top: bool
+    """The tree's top group: its ranks hold every report once they have exchanged theirs."""
+    process_group: Any
+    """Its gloo process group (not registered with torch.distributed)."""
+
+
+class Control:
+    """The groups of the tree this rank is in, bottom up, and the two collectives megastart's
+    phases need on them: every rank's report on every rank (:meth:`gather`) and rank 0's
+    value on every rank (:meth:`broadcast`)."""
+
+    def __init__(self, groups: Sequence[_Group], world: int) -> None:
+        self.groups = tuple(groups)
+        self.world = world
+
+    @property
+    def group_ranks(self) -> list[tuple[int, ...]]:
+        """The global ranks of each group this rank is in, bottom up."""
+        return [group.ranks for group in self.groups]
+
+    def gather(self, value: Any, *, timeout_s: float) -> list[Any]:
+        """Every rank's ``value`` (picklable), in rank order, on every rank.
+
+        Up the tree, each group's ranks exchange what they hold and its leader carries it a
+        level higher; the top group then holds everything, and each leader passes it down
+        to its groups. Each exchange waits at most ``timeout_s``.
+        """
+        import torch.distributed as dist
+
+        held: dict[int, Any] = {dist.get_rank(): value}
+        for group in self.groups:
+            for part in _allgather(group, pickle.dumps(held), timeout_s):
+                held.update(pickle.loads(part))
+        for group in reversed(self.groups):
+            if not group.top:
+                held = pickle.loads(_broadcast(group, pickle.dumps(held), timeout_s))
+        return [held[rank] for rank in range(self.world)]
+
+    def broadcast(self, value: Any, *, timeout_s: float) -> Any:
+        """Rank 0's ``value`` (picklable) on every rank; rank 0 leads every group it is in."""
+        payload = pickle.dumps(value)
+        for group in reversed(self.groups):
+            payload = _broadcast(group, payload, timeout_s)
+        return pickle.loads(payload)
+
+
+def make_control(timeout_s: float, *, fanout: int = FANOUT) -> Control:
+    """Make this rank's groups of the tree (collective over every rank, through the store).
+
+    The ranks say which node they are on under a key of their node's; once all have (a
+    barrier on the store), each reads its node's ranks, and each node's leader adds itself
+    to the leaders; once all have, each leader reads them, and every rank makes the
+    groups of :func:`tree_levels` it is in.
+
+    :raises megastart.distributed.CollectiveError: when a rank does not come within
+        ``timeout_s``, naming it.
+    """
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    from megastart.distributed.board import Board
+
+    global _trees
+    _trees += 1
+    board = Board("control")
+    store = dist.PrefixStore(f"megastart/control-tree/{_trees}/", _get_default_store())
+    rank = dist.get_rank()
+    node = f"node/{hashlib.sha1(repr(node_key()).encode()).hexdigest()[:16]}"
+    _add(store, node, rank)
+    board.check_in(timeout_s)  # every rank has said which node it is on
+    members = _listed(store, node)
+    if rank == members[0]:
+        _add(store, "leaders", rank)
+    board.barrier("every node's leader to say so")
+    nodes = [members]
+    if rank == members[0]:  # the other nodes matter only as their leaders, a node of one each
+        nodes += [(leader,) for leader in _listed(store, "leaders") if leader != rank]
+    levels = tree_levels(nodes, fanout)
+    one_node = store.add("leaders", 0) == 1  # else a node's group is not the top
+    top = levels[-1][0] if levels[-1] and (len(levels) > 1 or one_node) else None
+    groups = [
+        _Group(ranks, ranks.index(rank), ranks == top, _gloo(store, level, ranks, timeout_s))
+        for level, its_groups in enumerate(levels)
+        for ranks in its_groups
+        if rank in ranks
+    ]
+    return Control(groups, dist.get_world_size())
+
+
+def _add(store: dist.Store, key: str, rank: int) -> None:
+    """Add ``rank`` to the ranks listed under ``key``."""
+    store.set(f"{key}/{store.add(key, 1)}", str(rank))
+
+
+def _listed(store: dist.Store, key: str) -> tuple[int, ...]:
+    """The ranks added under ``key``, ascending."""
+    count = store.add(key, 0)
+    values = store.multi_get([f"{key}/{i}" for i in range(1, count + 1)])
+    return tuple(sorted(int(bytes(v)) for v in values))
+
+
+def _gloo(store: dist.Store, level: int, ranks: tuple[int, ...], timeout_s: float) -> Any:
+    """A gloo process group over ``ranks``, made by them alone under a prefix of ``store`` of
+    their own (a rank leads one group per level at most)."""
+    import torch.distributed as dist
+
+    prefixed = dist.PrefixStore(f"group/{level}/{ranks[0]}/", store)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    return dist.ProcessGroupGloo(prefixed, ranks.index(dist.get_rank()), len(ranks), timeout)
+
+
+def _allgather(group: _Group, payload: bytes, timeout_s: float) -> list[bytes]:
+    """Every rank of ``group``'s ``payload``, in its order: their sizes, then the bytes."""
+    import torch
+
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in group.ranks]
+    _wait(group, group.process_group.allgather([sizes], [_size(payload)]), timeout_s)
+    longest = max(int(size) for size in sizes)
+    parts = [torch.empty(longest, dtype=torch.uint8) for _ in group.ranks]
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[: len(payload)] = _bytes(payload)
+    _wait(group, group.process_group.allgather([parts], [mine]), timeout_s)
+    return [part[: int(size)].numpy().tobytes() for part, size in zip(parts, sizes, strict=True)]
+
+
+def _broadcast(group: _Group, payload: bytes, timeout_s: float) -> bytes:
+    """``group``'s leader's ``payload`` (the others' is ignored): its size, then its bytes."""
+    import torch
+    import torch.distributed as dist
+
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    leads = group.index == 0
+    size = _size(payload) if leads else torch.zeros(1, dtype=torch.int64)
+    _wait(group, group.process_group.broadcast([size], options), timeout_s)
+    data = _bytes(payload) if leads else torch.empty(int(size), dtype=torch.uint8)
+    _wait(group, group.process_group.broadcast([data], options), timeout_s)
+    return payload if leads else data.numpy().tobytes()
+
+
+def _size(payload: bytes) -> torch.Tensor:
+    import torch
+
+    return torch.tensor([len(payload)], dtype=torch.int64)
+
+
+def _bytes(payload: bytes) -> torch.Tensor:
+    import torch
+
+    return (
+        torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        if payload
+        else torch.empty(0, dtype=torch.uint8)
+    )
+
+
+def _wait(group: _Group, work: Any, timeout_s: float) -> None:
+    """Wait for ``work`` on ``group``, at most ``timeout_s``; the error names the group."""
+    try:
+        work.wait(datetime.timedelta(seconds=timeout_s))
+    except Exception as e:
+        raise TimeoutError(
+            f"the control group of ranks {_shown(group.ranks)} did not complete within "
+            f"{timeout_s:g} s: {e}"
+        ) from e
+
+
+def _shown(ranks: Sequence[int]) -> str:
+    return str(list(ranks)) if len(ranks) <= 8 else f"[{ranks[0]}, ..., {ranks[-1]}] ({len(ranks)})"

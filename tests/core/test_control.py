@@ -1,0 +1,145 @@
+"""The control plane's tree of small gloo groups: every rank's report reaches every rank and
+rank 0's value every rank through groups of a node or of a few node leaders, never a group
+over the whole world (real ranks over gloo; and the tree of an 8,192-rank job, computed)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from megastart.distributed import FANOUT, CollectiveError, tree_levels
+from megastart.harness.launch import RankPool
+
+
+def test_at_8192_ranks_each_rank_is_in_a_few_small_groups_and_the_tree_reaches_everyone() -> None:
+    nodes = [tuple(range(first, first + 8)) for first in range(0, 8192, 8)]
+    levels = tree_levels(nodes)
+    groups = [group for level in levels for group in level]
+    assert max(len(group) for group in groups) == FANOUT == 32
+    per_rank = Counter(rank for group in groups for rank in group)
+    # a member is in its node's group; a leader in its 32 leaders' too; the 32 leaders of
+    # those (rank 0 among them) in the top group as well
+    assert Counter(per_rank.values()) == {1: 8192 - 1024, 2: 1024 - 32, 3: 32}
+    assert levels[-1] == [tuple(range(0, 8192, 8 * 32))]  # the top: one leader per 32 nodes
+    # every rank is joined to rank 0 through the groups' leaders
+    leader_of = {rank: group[0] for group in groups for rank in group if rank != group[0]}
+    for rank in range(8192):
+        while rank in leader_of:
+            rank = leader_of[rank]
+        assert rank == 0
+    # connecting a gloo group asks the store about every pair: about 0.1 million requests,
+    # against 67 million for one group over the 8,192 ranks
+    assert sum(len(g) * (len(g) - 1) for g in groups) < 0.11e6 < 8192 * 8191 / 600
+
+
+def test_nodes_of_one_rank_climb_straight_to_the_leaders_groups() -> None:
+    assert tree_levels([(0,), (1,), (2,)], fanout=2) == [[], [(0, 1)], [(0, 2)]]
+    assert tree_levels([(0, 1)]) == [[(0, 1)]]
+    assert tree_levels([(0,)]) == [[]]
+
+
+def exchange(ranks_per_node: int, fanout: int) -> dict[str, Any]:
+    """Make a control plane on simulated nodes of ``ranks_per_node`` (through ``LOCAL_RANK``),
+    then gather every rank's report and broadcast rank 0's value over it."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _world
+
+    from megastart.distributed import make_control
+
+    rank = dist.get_rank()
+    os.environ["LOCAL_RANK"] = str(rank % ranks_per_node)
+    registered = _world.group_count
+    control = make_control(30.0, fanout=fanout)
+    return {
+        "groups": control.group_ranks,
+        "gathered": control.gather({"rank": rank, "text": "x" * rank}, timeout_s=30.0),
+        "broadcast": control.broadcast(f"from rank {rank}", timeout_s=30.0),
+        "registered": _world.group_count - registered,
+    }
+
+
+@pytest.fixture(scope="module")
+def six() -> RankPool:
+    with RankPool(6, timeout_s=60) as pool:
+        yield pool
+
+
+def test_every_rank_hears_every_report_through_a_tree_of_nodes_and_leaders(six: RankPool) -> None:
+    results = six.run(exchange, 2, 2)  # nodes (0, 1) (2, 3) (4, 5); leaders 0 2 4, two a group
+    assert [r["groups"] for r in results] == [
+        [(0, 1), (0, 2), (0, 4)],
+        [(0, 1)],
+        [(2, 3), (0, 2)],
+        [(2, 3)],
+        [(4, 5), (0, 4)],
+        [(4, 5)],
+    ]
+    expected = [{"rank": r, "text": "x" * r} for r in range(6)]
+    for result in results:
+        assert result["gathered"] == expected
+        assert result["broadcast"] == "from rank 0"
+        assert result["registered"] == 0  # the host's group names and counts are untouched
+
+
+def test_on_one_node_the_tree_is_the_nodes_group(six: RankPool) -> None:
+    results = six.run(exchange, 6, 32)
+    assert [r["groups"] for r in results] == [[tuple(range(6))]] * 6
+    assert all(r["gathered"][5] == {"rank": 5, "text": "xxxxx"} for r in results)
+
+
+def make_without(missing: int) -> str:
+    import torch.distributed as dist
+
+    from megastart.distributed import make_control
+
+    if dist.get_rank() == missing:
+        return "stayed away"
+    try:
+        make_control(2.0)
+    except CollectiveError as e:
+        return str(e)
+    return "made"
+
+
+def test_a_rank_that_never_comes_is_named_on_every_other_rank(six: RankPool) -> None:
+    results = six.run(make_without, 4)
+    for rank, result in enumerate(results):
+        if rank != 4:
+            assert "rank(s) [4] did not start it within timeout_s=2 s" in result, result
+
+
+def miss_a_gather(missing: int) -> dict[str, Any]:
+    """Every rank but ``missing`` gathers over a tree of nodes of 2 (fanout 2): what each saw,
+    and how long it waited."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    from megastart.distributed import make_control
+
+    os.environ["LOCAL_RANK"] = str(dist.get_rank() % 2)
+    control = make_control(30.0, fanout=2)
+    started = time.monotonic()
+    if dist.get_rank() == missing:
+        time.sleep(12.0)  # hung: it never reports
+        return {"outcome": "stayed away", "waited_s": 0.0}
+    try:
+        control.gather("report", timeout_s=3.0)
+    except TimeoutError as e:
+        return {"outcome": str(e), "waited_s": time.monotonic() - started}
+    return {"outcome": "gathered", "waited_s": time.monotonic() - started}
+
+
+def test_a_rank_missing_a_gather_makes_every_other_rank_fail_within_the_bound() -> None:
+    with RankPool(4, timeout_s=60) as pool:
+        results = pool.run(miss_a_gather, 3)
+    assert "the control group of ranks [2, 3] did not complete within 3 s" in results[2]["outcome"]
+    for rank in (0, 1):  # rank 2 never carries its node's reports up, nor passes them down
+        assert "did not complete within 3 s" in results[rank]["outcome"], results[rank]
+    for result in results[:3]:
+        assert result["waited_s"] < 3 * 3.0 + 1, result  # a bound per level, at most
