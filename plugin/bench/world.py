@@ -10,7 +10,8 @@ first byte moves, with the loader's own functions: the unused tensors, the plan,
 receiver sets, the stream's process groups, and the stream's lookups of where each bucket
 goes. Figures per role: process CPU seconds (best of ``--repeats``), the peak of Python
 memory it allocated (``tracemalloc``, the gathered demands included), the process groups
-each load makes (every ``new_group`` is made by every rank) and the groups of the control
+each load makes (``over_world``: the ``new_group`` s between node leaders, each made by
+every rank; and the node's own two, made by its ranks alone) and the groups of the control
 plane's tree it is in (made once per process, :mod:`megastart.distributed.control`), and the
 store requests per second of a
 rank waiting at the board (the real :class:`~megastart.distributed.Board` wait with its node's
@@ -77,11 +78,13 @@ def measure_world(
     }
     for role, rank in roles.items():
         work = _planning(gathered, meta, keys, rank, role, bucket_mb)
+        made = work()
         results["roles"][role] = {
             "rank": rank,
             "plan_s": _best_cpu(repeats, work),
             "plan_mb": _peak_mb(work),
-            "groups": work()["groups"],
+            "groups": made["groups"],
+            "over_world": made["over_world"],
             "control_groups": sum(rank in group for group in tree),
             "store_rps": rates[role != "member"],
         }
@@ -119,13 +122,19 @@ def _planning(
         sets = [plan.receiver_sets]
         nodes = Nodes.of(keys)
         group = list(range(len(keys)))
-        leader_sets, node_sets = group_sets([group], [nodes], sets, [True])
+        leader_sets = group_sets([group], [nodes], sets)
+        # the node's own two (headers, reports), made by its ranks alone; none on the reader's
+        # node, which takes its slices out of the page cache
+        local = 2 if len(nodes.node_of(rank)) > 1 and rank not in nodes.members[0] else 0
         if role == "member":  # Route.local_buckets: the buckets its leader announces
             looked = len(nodes.local_buckets(rank, plan))
         else:  # the reader's and the leaders' Route.leaders_for of every bucket
             looked = sum(len(nodes.leaders_reached(b.positions)) for b in plan.buckets)
-        # per load, made by every rank: the leaders' groups, each node's two (headers, reports)
-        return {"groups": len(leader_sets) + 2 * len(node_sets), "looked": looked}
+        return {
+            "groups": len(leader_sets) + local,
+            "over_world": len(leader_sets),
+            "looked": looked,
+        }
 
     return work
 

@@ -31,21 +31,23 @@ from megastart.distributed.board import (
     Node,
     polled_locally,
 )
-from megastart.distributed.control import FANOUT, Control, make_control, node_key, tree_levels
+from megastart.distributed.control import (
+    FANOUT,
+    Control,
+    discard_control,
+    discarding_control,
+    kept_control,
+    make_control,
+    node_key,
+    tree_levels,
+)
 from megastart.distributed.errors import (
     CollectiveError,
     FailedBefore,
     PeerFailed,
     Stalled,
 )
-from megastart.distributed.groups import (
-    OwnGroups,
-    destroy_group,
-    discard_control,
-    discarding_control,
-    kept_control,
-    new_group,
-)
+from megastart.distributed.groups import LocalGroup, OwnGroups, destroy_group, new_group
 from megastart.distributed.sticky import Sticky
 
 __all__ = [
@@ -57,6 +59,7 @@ __all__ = [
     "CollectiveError",
     "Control",
     "FailedBefore",
+    "LocalGroup",
     "Node",
     "Outcome",
     "OwnGroups",

@@ -133,6 +133,11 @@ class Board:
         self._barriers = 0
         """How many :meth:`barrier` s this rank has passed."""
 
+    @property
+    def store(self) -> Any:
+        """The call's keys in torch.distributed's store: a prefix of it is the call's alone."""
+        return self._store
+
     def attach(self, node: Node | None, *, leaders: int) -> None:
         """Share this call's failures, progress and barriers with the node's ranks through
         ``node`` (``None``: a rank alone on its node, or the end of the node's page).

@@ -18,9 +18,12 @@ import hashlib
 import os
 import pickle
 import socket
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from megastart.distributed.groups import LocalGroup
 
 if TYPE_CHECKING:
     import torch
@@ -66,27 +69,20 @@ def tree_levels(
     return levels
 
 
-@dataclass(frozen=True)
-class _Group:
-    """One group of the tree that this rank is in."""
-
-    ranks: tuple[int, ...]
-    """Global ranks, ascending; the first leads."""
-    index: int
-    """This rank's place in ``ranks``."""
-    top: bool
-    """The tree's top group: its ranks hold every report once they have exchanged theirs."""
-    process_group: Any
-    """Its gloo process group (not registered with torch.distributed)."""
-
-
 class Control:
     """The groups of the tree this rank is in, bottom up, and the two collectives megastart's
     phases need on them: every rank's report on every rank (:meth:`gather`) and rank 0's
-    value on every rank (:meth:`broadcast`)."""
+    value on every rank (:meth:`broadcast`). Each group's first rank leads it.
 
-    def __init__(self, groups: Sequence[_Group], world: int) -> None:
+    :param top: the tree's top group, if this rank is in it: its ranks hold every report
+        once they have exchanged theirs.
+    """
+
+    def __init__(
+        self, groups: Sequence[LocalGroup], top: tuple[int, ...] | None, world: int
+    ) -> None:
         self.groups = tuple(groups)
+        self.top = top
         self.world = world
 
     @property
@@ -108,7 +104,7 @@ class Control:
             for part in _allgather(group, pickle.dumps(held), timeout_s):
                 held.update(pickle.loads(part))
         for group in reversed(self.groups):
-            if not group.top:
+            if group.ranks != self.top:
                 held = pickle.loads(_broadcast(group, pickle.dumps(held), timeout_s))
         return [held[rank] for rank in range(self.world)]
 
@@ -154,13 +150,15 @@ def make_control(timeout_s: float, *, fanout: int = FANOUT) -> Control:
     levels = tree_levels(nodes, fanout)
     one_node = store.add("leaders", 0) == 1  # else a node's group is not the top
     top = levels[-1][0] if levels[-1] and (len(levels) > 1 or one_node) else None
-    groups = [
-        _Group(ranks, ranks.index(rank), ranks == top, _gloo(store, level, ranks, timeout_s))
+    groups = [  # a rank leads one group per level at most: its prefix
+        LocalGroup.make(
+            dist.PrefixStore(f"group/{level}/{ranks[0]}/", store), ranks, timeout_s=timeout_s
+        )
         for level, its_groups in enumerate(levels)
         for ranks in its_groups
         if rank in ranks
     ]
-    return Control(groups, dist.get_world_size())
+    return Control(groups, top, dist.get_world_size())
 
 
 def _add(store: dist.Store, key: str, rank: int) -> None:
@@ -175,17 +173,7 @@ def _listed(store: dist.Store, key: str) -> tuple[int, ...]:
     return tuple(sorted(int(bytes(v)) for v in values))
 
 
-def _gloo(store: dist.Store, level: int, ranks: tuple[int, ...], timeout_s: float) -> Any:
-    """A gloo process group over ``ranks``, made by them alone under a prefix of ``store`` of
-    their own (a rank leads one group per level at most)."""
-    import torch.distributed as dist
-
-    prefixed = dist.PrefixStore(f"group/{level}/{ranks[0]}/", store)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    return dist.ProcessGroupGloo(prefixed, ranks.index(dist.get_rank()), len(ranks), timeout)
-
-
-def _allgather(group: _Group, payload: bytes, timeout_s: float) -> list[bytes]:
+def _allgather(group: LocalGroup, payload: bytes, timeout_s: float) -> list[bytes]:
     """Every rank of ``group``'s ``payload``, in its order: their sizes, then the bytes."""
     import torch
 
@@ -199,7 +187,7 @@ def _allgather(group: _Group, payload: bytes, timeout_s: float) -> list[bytes]:
     return [part[: int(size)].numpy().tobytes() for part, size in zip(parts, sizes, strict=True)]
 
 
-def _broadcast(group: _Group, payload: bytes, timeout_s: float) -> bytes:
+def _broadcast(group: LocalGroup, payload: bytes, timeout_s: float) -> bytes:
     """``group``'s leader's ``payload`` (the others' is ignored): its size, then its bytes."""
     import torch
     import torch.distributed as dist
@@ -230,7 +218,7 @@ def _bytes(payload: bytes) -> torch.Tensor:
     )
 
 
-def _wait(group: _Group, work: Any, timeout_s: float) -> None:
+def _wait(group: LocalGroup, work: Any, timeout_s: float) -> None:
     """Wait for ``work`` on ``group``, at most ``timeout_s``; the error names the group."""
     try:
         work.wait(datetime.timedelta(seconds=timeout_s))
@@ -243,3 +231,52 @@ def _wait(group: _Group, work: Any, timeout_s: float) -> None:
 
 def _shown(ranks: Sequence[int]) -> str:
     return str(list(ranks)) if len(ranks) <= 8 else f"[{ranks[0]}, ..., {ranks[-1]}] ({len(ranks)})"
+
+
+class _Kept(NamedTuple):
+    """The kept control plane, and the WORLD group it was made in."""
+
+    world: dist.ProcessGroup | None
+    control: Control
+
+
+_kept: list[_Kept] = []
+"""This process's kept control plane, if any."""
+
+
+def kept_control(*, timeout_s: float) -> Control:
+    """The control plane for the phase reports of megastart's calls (the loader's and the
+    warmup's alike): its tree of small gloo groups (:mod:`.control`) made by the first call in
+    this process (collectively, through the store) and kept for the later ones, made anew
+    once WORLD was rebuilt.
+
+    Making and tearing down even small gloo groups costs a warm load tens of milliseconds;
+    kept, they hold a socket per peer of the groups this rank is in. Their gloo timeout is
+    the first call's ``timeout_s``; each collective on them is bounded by its own.
+    """
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    if not _kept or _kept[0].world is not world:
+        _kept[:] = [_Kept(world, make_control(timeout_s))]
+    return _kept[0].control
+
+
+def discard_control() -> None:
+    """Let the kept control plane go (after a failed call: its groups may hold operations
+    that never completed); the next call makes another. Its connections close off this
+    thread (gloo closes them one at a time)."""
+    dropped = list(_kept)
+    _kept.clear()
+    threading.Thread(target=dropped.clear, name="megastart-control-teardown").start()
+
+
+@contextmanager
+def discarding_control() -> Iterator[None]:
+    """:func:`discard_control` if the block fails (a call whose reports may not all have
+    completed)."""
+    try:
+        yield
+    except BaseException:
+        discard_control()
+        raise

@@ -1,17 +1,16 @@
-"""Process groups of megastart's own: made with a bounded timeout, kept for the process's
-next call where that saves a teardown, destroyed off the critical path."""
+"""Process groups of megastart's own: made with a bounded timeout (over WORLD, or by their own
+ranks alone from the store), destroyed off the critical path."""
 
 from __future__ import annotations
 
 import datetime
 import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, NamedTuple
-
-from megastart.distributed.control import Control, make_control
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
     import torch.distributed as dist
 
 
@@ -39,53 +38,40 @@ def destroy_group(group: dist.ProcessGroup | None) -> None:
         dist.destroy_process_group(group)
 
 
-class _Kept(NamedTuple):
-    """The kept control plane, and the WORLD group it was made in."""
+@dataclass(frozen=True)
+class LocalGroup:
+    """A gloo group made by its own ranks alone, under a prefix of torch.distributed's store:
+    no collective over WORLD (``new_group`` is one, made by every rank), and not registered
+    with torch.distributed, so the host's groups keep their names and counts."""
 
-    world: dist.ProcessGroup | None
-    control: Control
+    ranks: tuple[int, ...]
+    """Global ranks, ascending."""
+    index: int
+    """This rank's place in ``ranks``."""
+    process_group: Any
+    """Its ``ProcessGroupGloo``."""
 
+    @classmethod
+    def make(cls, store: dist.Store, ranks: Sequence[int], *, timeout_s: float) -> LocalGroup:
+        """Made collectively by ``ranks`` (this rank among them) under ``store``, a prefix no
+        other group uses."""
+        import torch.distributed as dist
 
-_kept: list[_Kept] = []
-"""This process's kept control plane, if any."""
+        ranks = tuple(sorted(ranks))
+        index = ranks.index(dist.get_rank())
+        timeout = datetime.timedelta(seconds=timeout_s)
+        return cls(ranks, index, dist.ProcessGroupGloo(store, index, len(ranks), timeout))
 
+    def broadcast(self, tensor: torch.Tensor, src: int) -> dist.Work:
+        """Broadcast ``tensor`` from global rank ``src``."""
+        import torch.distributed as dist
 
-def kept_control(*, timeout_s: float) -> Control:
-    """The control plane for the phase reports of megastart's calls (the loader's and the
-    warmup's alike): its tree of small gloo groups (:mod:`.control`) made by the first call in
-    this process (collectively, through the store) and kept for the later ones, made anew
-    once WORLD was rebuilt.
+        options = dist.BroadcastOptions()
+        options.rootRank = self.ranks.index(src)
+        return self.process_group.broadcast([tensor], options)
 
-    Making and tearing down even small gloo groups costs a warm load tens of milliseconds;
-    kept, they hold a socket per peer of the groups this rank is in. Their gloo timeout is
-    the first call's ``timeout_s``; each collective on them is bounded by its own.
-    """
-    import torch.distributed as dist
-
-    world = dist.group.WORLD
-    if not _kept or _kept[0].world is not world:
-        _kept[:] = [_Kept(world, make_control(timeout_s))]
-    return _kept[0].control
-
-
-def discard_control() -> None:
-    """Let the kept control plane go (after a failed call: its groups may hold operations
-    that never completed); the next call makes another. Its connections close off this
-    thread (gloo closes them one at a time)."""
-    dropped = list(_kept)
-    _kept.clear()
-    threading.Thread(target=dropped.clear, name="megastart-control-teardown").start()
-
-
-@contextmanager
-def discarding_control() -> Iterator[None]:
-    """:func:`discard_control` if the block fails (a call whose reports may not all have
-    completed)."""
-    try:
-        yield
-    except BaseException:
-        discard_control()
-        raise
+    def all_reduce(self, tensor: torch.Tensor) -> dist.Work:
+        return self.process_group.allreduce([tensor])
 
 
 class OwnGroups:
@@ -103,11 +89,18 @@ class OwnGroups:
     def __init__(self, *, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self._groups: list[dist.ProcessGroup] = []
+        self._local: list[LocalGroup] = []
 
     def new(self, ranks: Sequence[int] | None, *, backend: str) -> dist.ProcessGroup:
         """:func:`new_group` (collective over WORLD), destroyed with the others."""
         group = new_group(ranks, backend=backend, timeout_s=self.timeout_s)
         self._groups.append(group)
+        return group
+
+    def local(self, store: dist.Store, ranks: Sequence[int]) -> LocalGroup:
+        """:meth:`LocalGroup.make` (collective over ``ranks`` only), dropped with the others."""
+        group = LocalGroup.make(store, ranks, timeout_s=self.timeout_s)
+        self._local.append(group)
         return group
 
     def __enter__(self) -> OwnGroups:
@@ -117,4 +110,6 @@ class OwnGroups:
         groups, self._groups = self._groups, []
         for group in groups:
             destroy_group(group)
-        threading.Thread(target=groups.clear, name="megastart-group-teardown").start()
+        dropped = [groups, self._local]
+        self._local = []
+        threading.Thread(target=dropped.clear, name="megastart-group-teardown").start()

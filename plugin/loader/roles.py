@@ -304,17 +304,16 @@ def _receive(
 def take(stream: Stream) -> tuple[int, int]:
     """A rank that leads nothing: copy its slices out of each announced buffer."""
     import torch
-    import torch.distributed as dist
 
-    local = stream.route.local
-    assert local is not None
+    local, done = stream.route.local, stream.route.done
+    assert local is not None and done is not None
     reported: deque[Any] = deque()
     with stream.buffers() as buffers:
         for index in stream.local:
             bucket = stream.plan.buckets[index]
             buffer = local.announced(bucket.nbytes, buffers[0].numel(), len(buffers))
             stream.apply(index, Payload(buffers[buffer][: bucket.nbytes]))
-            reported.append(dist.all_reduce(torch.zeros(1), group=stream.route.done, async_op=True))
+            reported.append(done.all_reduce(torch.zeros(1)))
             if len(reported) == IN_FLIGHT:
                 stream.reported(reported.popleft())
         while reported:

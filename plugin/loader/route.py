@@ -26,14 +26,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from megastart.distributed import Board, OwnGroups
+from megastart.distributed import Board, LocalGroup, OwnGroups
 from megastart.loader.node import NodeBoard
 from megastart.loader.plan import Plan
 from megastart.loader.transport import Channel, open_receiver_groups
 
 if TYPE_CHECKING:
     import torch
-    import torch.distributed as dist
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +90,7 @@ class Route:
     """Headers and payloads between the node leaders (a leader of a group of several nodes)."""
     local: Channel | None
     """Headers from the node leader to the node's ranks (a node of several ranks)."""
-    done: dist.ProcessGroup | None
+    done: LocalGroup | None
     """The node's ranks report a buffer read over it (a node of several ranks)."""
     board: Board
     """The load's board: where failures are announced and every wait looks."""
@@ -139,13 +138,12 @@ def group_sets(
     groups: Sequence[Sequence[int]],
     nodes: Sequence[Nodes],
     receiver_sets: Sequence[Sequence[tuple[int, ...]]],
-    cached: Sequence[bool],
-) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
-    """The global ranks of every group the stream makes (each ``new_group`` a collective over
-    WORLD, made by every rank): per reader group of several nodes, one of all its leaders and
-    one per other set of several leaders a bucket reaches; and per node of several ranks that
-    does not take its slices out of the page cache (``cached``: the reader's node does), its
-    ranks. A bucket no other node needs goes to no group."""
+) -> list[tuple[int, ...]]:
+    """The global ranks of every group between node leaders the stream makes (each
+    ``new_group`` a collective over WORLD, made by every rank): per reader group of several
+    nodes, one of all its leaders and one per other set of several leaders a bucket reaches.
+    A bucket no other node needs goes to no group. (A node's own two groups are made by its
+    ranks alone, :class:`~megastart.distributed.LocalGroup`.)"""
     leader_sets: list[tuple[int, ...]] = []
     for group, its_nodes, sets in zip(groups, nodes, receiver_sets, strict=True):
         if len(its_nodes.members) > 1:
@@ -153,13 +151,7 @@ def group_sets(
             reached = {tuple(group[p] for p in its_nodes.leaders_reached(s)) for s in sets}
             several = {ranks for ranks in reached if len(ranks) > 1}
             leader_sets += [everyone, *sorted(several - {everyone})]
-    node_sets = [
-        tuple(group[p] for p in node)
-        for group, its_nodes, reader_cached in zip(groups, nodes, cached, strict=True)
-        for node in its_nodes.members
-        if len(node) > 1 and not (reader_cached and node[0] == 0)
-    ]
-    return leader_sets, node_sets
+    return leader_sets
 
 
 def open_route(
@@ -175,7 +167,8 @@ def open_route(
     page: NodeBoard | None,
     striped: bool = False,
 ) -> Route:
-    """Open every process group the stream needs (collective over WORLD); this rank's route.
+    """Open every process group the stream needs (collective over WORLD for the groups between
+    node leaders; over the node's ranks for its own); this rank's route.
 
     :param groups: global ranks of every reader group, the reader first.
     :param node_keys: every global rank's node key.
@@ -197,10 +190,7 @@ def open_route(
         not striped and all(page_cache[group[p]] for p in its_nodes.members[0])
         for group, its_nodes in zip(groups, nodes, strict=True)
     ]
-    leader_sets, node_sets = group_sets(groups, nodes, receiver_sets, cached)
-    between = open_receiver_groups(leader_sets, own, backend=backend)
-    headers = open_receiver_groups(node_sets, own, backend="gloo")
-    done = open_receiver_groups(node_sets, own, backend="gloo")
+    between = open_receiver_groups(group_sets(groups, nodes, receiver_sets), own, backend=backend)
 
     index = next(i for i, group in enumerate(groups) if rank in group)
     group, its_nodes = groups[index], nodes[index]
@@ -223,8 +213,10 @@ def open_route(
         wire = device if backend == "nccl" else torch.device("cpu")
         everyone = tuple(group[p] for p in its_nodes.leaders)
         route.leaders = Channel(between[everyone], group[0], wire, between, board)
-    if len(mine) > 1 and not route.page_cache:
+    if len(mine) > 1 and not route.page_cache:  # the node's two groups, made by its ranks alone
         sender = "the reader" if mine[0] == group[0] and not striped else "the node leader"
-        route.local = Channel(headers[mine], mine[0], torch.device("cpu"), {}, board, sender)
-        route.done = done[mine]
+        node = dist.PrefixStore(f"node/{mine[0]}/", board.store)
+        headers = own.local(dist.PrefixStore("headers/", node), mine)
+        route.local = Channel(headers, mine[0], torch.device("cpu"), {}, board, sender)
+        route.done = own.local(dist.PrefixStore("done/", node), mine)
     return route

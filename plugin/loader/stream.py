@@ -83,7 +83,6 @@ class Stream:
         """Tell the node's other ranks that bucket ``index`` is in ``buffer``, if one needs it;
         returns the report of their having read it, in flight (``None`` if none needs it)."""
         import torch
-        import torch.distributed as dist
 
         local = self.route.local
         if (
@@ -94,7 +93,8 @@ class Stream:
             return None
         local.announce(nbytes, buffer)  # in order before the report, which is waited for
         self._announced += 1
-        return dist.all_reduce(torch.zeros(1), group=self.route.done, async_op=True)
+        assert self.route.done is not None  # a node with a local channel has one
+        return self.route.done.all_reduce(torch.zeros(1))
 
     def deliver(self, used: InUse) -> None:
         """Wait until a bucket's broadcasts to other nodes are done (watching the board)."""

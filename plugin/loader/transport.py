@@ -46,7 +46,7 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from megastart.distributed import Board, CollectiveError, OwnGroups
+from megastart.distributed import Board, CollectiveError, LocalGroup, OwnGroups
 from megastart.errors import MegastartError
 from megastart.loader.checkpoint import TensorReader
 from megastart.loader.plan import Bucket, Plan, Slot
@@ -104,8 +104,8 @@ def open_receiver_groups(
 class Channel:
     """Broadcasts of one reader group: headers to all of it, payloads to a bucket's ranks."""
 
-    group: dist.ProcessGroup
-    """The loader's process group over the whole reader group: headers and errors."""
+    group: dist.ProcessGroup | LocalGroup
+    """The loader's process group over the whole reader group (or a node): headers and errors."""
     src: int
     """Global rank of the group's reader."""
     device: torch.device
@@ -231,10 +231,13 @@ class Channel:
         return header
 
     def _broadcast(
-        self, tensor: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False
+        self, tensor: torch.Tensor, group: dist.ProcessGroup | LocalGroup, *, async_op: bool = False
     ) -> Any:
         import torch.distributed as dist
 
+        if isinstance(group, LocalGroup):
+            work = group.broadcast(tensor, self.src)
+            return work if async_op else work.wait()
         return dist.broadcast(tensor, src=self.src, group=group, async_op=async_op)
 
 
