@@ -21,6 +21,7 @@ BENCHMARKS = {
     "warmup": "megastart.bench.warmup",
     "startup": "megastart.bench.startup",
     "plan": "megastart.bench.plan",
+    "control": "megastart.bench.control",
 }
 
 
