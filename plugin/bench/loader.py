@@ -193,7 +193,7 @@ def _chosen_strategies(text: str, readers: str | None) -> tuple[str, ...]:
         raise SystemExit(
             f"--strategies: unknown {unknown}; choose from {', '.join(KNOWN_STRATEGIES)}"
         )
-    ours = ("megastart",)
+    ours: tuple[str, ...] = ("megastart",)
     if readers is not None:
         chosen = _names(readers)
         wrong = sorted(set(chosen) - set(READERS)) or ([] if chosen else ["(none)"])

@@ -356,7 +356,9 @@ def synthetic_checkpoint(config: dict[str, Any]) -> Any:
 def hf_tensors(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
     """Every checkpoint tensor: name, shape, dtype (FP8 projections with their scales)."""
     h, fp8 = config["hidden_size"], "quantization_config" in config
-    out = [("model.embed_tokens.weight", (config["vocab_size"], h), "bfloat16")]
+    out: list[tuple[str, tuple[int, ...], str]] = [
+        ("model.embed_tokens.weight", (config["vocab_size"], h), "bfloat16")
+    ]
     out.append(("lm_head.weight", (config["vocab_size"], h), "bfloat16"))
     out.append(("model.norm.weight", (h,), "bfloat16"))
 

@@ -28,7 +28,7 @@ import hashlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from megastart.bench.loader_results import strategy_reader
@@ -392,7 +392,7 @@ def _pieces(need: Need, inputs: list[Any], shard: Shard) -> Iterator[Piece]:
     return TRANSFORMS[need.transform].pieces(inputs, need.param.shape, shard)
 
 
-def _write(need: Need, pieces: Iterator[Piece]) -> None:
+def _write(need: Need, pieces: Iterable[Piece]) -> None:
     """Copy the transform's row blocks into the parameter (reading lazy slices now)."""
     import torch
 

@@ -137,7 +137,7 @@ def cuda_factories_on_cpu() -> Iterator[None]:
     from torch.overrides import TorchFunctionMode
 
     class _CudaToCpu(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             if str(kwargs.get("device", "")).startswith("cuda"):
                 kwargs["device"] = "cpu"
