@@ -50,6 +50,7 @@ def initialize_megatron(
     ep: int = 1,
     etp: int | None = None,
     seed: int = 1234,
+    device: str = "cpu",
 ) -> None:
     """Initialise Megatron's model-parallel state on this rank, with the CPU shims.
 
@@ -64,6 +65,8 @@ def initialize_megatron(
     :param etp: expert tensor-parallel size (None: same as ``tp``).
     :param seed: seeds torch and Megatron's RNG tracker, so that two ranks
         building the same layout get the same random weights.
+    :param device: ``"cpu"`` (the shims, Megatron's inference RNG tracker), or ``"cuda"``
+        for models built on the GPU (no shims, Megatron's own CUDA RNG tracker).
     """
     import torch
     import torch.distributed as dist
@@ -80,7 +83,8 @@ def initialize_megatron(
             "initialize_megatron: Megatron's parallel state is already initialised on "
             f"rank {dist.get_rank()}; a previous task did not call destroy_megatron()"
         )
-    _apply_shims()
+    if device == "cpu":
+        _apply_shims()
     _GROUPS_BEFORE.update(_process_groups())
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
@@ -94,7 +98,7 @@ def initialize_megatron(
     # The inference tracker keeps no CUDA RNG state; force_reset drops the one a
     # previous layout in this process left behind.
     megatron_random.model_parallel_cuda_manual_seed(
-        seed, inference_rng_tracker=True, force_reset_rng=True
+        seed, inference_rng_tracker=device == "cpu", force_reset_rng=True
     )
 
 

@@ -58,6 +58,8 @@ class RankPool:
     :param grace_s: once one rank has failed, how long the others may still
         take to report (their tracebacks usually say the peer went away) before
         the pool is killed.
+    :param backend: ``"gloo"``, or ``"nccl"`` (each rank on GPU ``rank % device_count``,
+        as the GPU tests run one process per GPU role).
     """
 
     def __init__(
@@ -67,6 +69,7 @@ class RankPool:
         timeout_s: float = 120.0,
         env: EnvSpec = None,
         grace_s: float = 10.0,
+        backend: str = "gloo",
     ) -> None:
         if world_size < 1:
             raise ValueError(f"RankPool: world_size must be >= 1, got {world_size}")
@@ -74,6 +77,7 @@ class RankPool:
         self.timeout_s = timeout_s
         self.grace_s = grace_s
         self._env = env
+        self._backend = backend
         self._workers: list[_Worker] = []
         self._store: Any = None
         self._finalizer: weakref.finalize | None = None
@@ -153,6 +157,7 @@ class RankPool:
                     self.timeout_s,
                     dict(env or {}),
                     list(sys.path),
+                    self._backend,
                 ),
                 daemon=True,
             )
@@ -277,8 +282,9 @@ def _worker_main(
     timeout_s: float,
     env: dict[str, str],
     sys_path: list[str],
+    backend: str,
 ) -> None:
-    """A worker's life: set up, join the gloo world, then run tasks until the pipe closes."""
+    """A worker's life: set up, join the world, then run tasks until the pipe closes."""
     _die_with_parent()
     os.environ.update(
         RANK=str(rank),
@@ -297,6 +303,8 @@ def _worker_main(
         import torch.distributed as dist
 
         torch.set_num_threads(1)
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         store = dist.TCPStore(
             "127.0.0.1",
             port,
@@ -305,7 +313,7 @@ def _worker_main(
             timeout=datetime.timedelta(seconds=timeout_s),
         )
         dist.init_process_group(
-            "gloo",
+            backend,
             store=store,
             rank=rank,
             world_size=world_size,

@@ -54,8 +54,9 @@ def build_gpt_chunks(
     :param hf_config: a ``transformers`` config (``AutoConfig.from_pretrained``)
         of one of :data:`SUPPORTED_MODEL_TYPES`.
     :param dtype: parameter dtype (default ``torch.float32``).
-    :param layer_spec: ``"local"`` (Megatron-core's own modules); Transformer
-        Engine's spec needs a GPU and is not built here.
+    :param layer_spec: ``"local"`` (Megatron-core's own modules), or
+        ``"transformer_engine"`` on a GPU: TE's specs as hosts build them (norms fused
+        into the linears, grouped-GEMM experts), initialised on the current CUDA device.
     :param config_overrides: TransformerConfig fields to replace, e.g.
         ``num_layers_in_first_pipeline_stage=1`` for uneven pipeline stages, or
         ``mtp_num_layers=1`` for DeepSeek-V3's multi-token-prediction layer (on the last
@@ -68,11 +69,15 @@ def build_gpt_chunks(
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    if layer_spec != "local":
+    te = layer_spec == "transformer_engine"
+    if layer_spec != "local" and not te:
         raise ValueError(
-            f"build_gpt_chunks: layer_spec={layer_spec!r} is not supported on CPU; use 'local'"
+            f"build_gpt_chunks: layer_spec={layer_spec!r}: 'local' or 'transformer_engine'"
         )
     config = transformer_config(hf_config, dtype=dtype or torch.float32)
+    if te:
+        grouped = bool(config.num_moe_experts)
+        config = dataclasses.replace(config, use_cpu_initialization=False, moe_grouped_gemm=grouped)
     if config_overrides:
         config = dataclasses.replace(config, **config_overrides)
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
@@ -81,13 +86,13 @@ def build_gpt_chunks(
     chunks = []
     for vp_stage in range(vpp_size or 1):
         stage = None if vpp_size is None else vp_stage
-        spec = cpu_block_spec(config, stage)
+        spec = te_block_spec(config, stage) if te else cpu_block_spec(config, stage)
         last = pp_rank == pp_size - 1 and vp_stage == (vpp_size or 1) - 1
         mtp = None
         if config.mtp_num_layers and last:  # as DeepSeek-V3's: the decoder's last layer's spec
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
-            mtp = get_gpt_mtp_block_spec(config, spec.layer_specs[-1], use_transformer_engine=False)
+            mtp = get_gpt_mtp_block_spec(config, spec.layer_specs[-1], use_transformer_engine=te)
         chunk = GPTModel(
             config=config,
             transformer_layer_spec=spec,
@@ -122,6 +127,15 @@ def cpu_block_spec(config: TransformerConfig, vp_stage: int | None = None) -> An
         for layer in spec.layer_specs:
             layer.submodules.self_attention.submodules.core_attention = CausalAttention
     return spec
+
+
+def te_block_spec(config: TransformerConfig, vp_stage: int | None = None) -> Any:
+    """Transformer Engine's layer specs per layer of this stage, as the hosts build them."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    return get_gpt_decoder_block_spec(
+        config, use_transformer_engine=True, normalization=config.normalization, vp_stage=vp_stage
+    )
 
 
 def padded_vocab_size(vocab_size: int) -> int:
@@ -351,10 +365,11 @@ def forward_logits(
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     pp_ranks = dist.get_process_group_ranks(pp_group)
     pp_size, pp_rank = len(pp_ranks), parallel_state.get_pipeline_model_parallel_rank()
-    position_ids = torch.arange(seq).unsqueeze(0).expand(batch, seq)
+    device = input_ids.device  # the CPU, or the GPU of TE models
+    position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(batch, seq)
     # True = masked, as Megatron-LM's get_ltor_masks_and_position_ids makes it; without
     # one, Megatron's local attention builds its default causal mask on "cuda".
-    causal_mask = torch.ones(1, 1, seq, seq, dtype=torch.bool).triu(diagonal=1)
+    causal_mask = torch.ones(1, 1, seq, seq, dtype=torch.bool, device=device).triu(diagonal=1)
     hidden_shape = (seq, batch, config.hidden_size)
     stages = pp_size * len(chunks)
     logits = None
@@ -365,7 +380,7 @@ def forward_logits(
                 continue
             chunk = chunks[chunk_index]
             if stage > 0:
-                hidden = torch.empty(hidden_shape, dtype=config.params_dtype)
+                hidden = torch.empty(hidden_shape, dtype=config.params_dtype, device=device)
                 dist.recv(hidden, src=pp_ranks[(owner - 1) % pp_size], group=pp_group)
                 chunk.set_input_tensor(hidden)
             output = chunk(
@@ -379,6 +394,6 @@ def forward_logits(
             else:
                 logits = output.float()
         if logits is None:
-            logits = torch.empty((batch, seq, width), dtype=torch.float32)
+            logits = torch.empty((batch, seq, width), dtype=torch.float32, device=device)
         dist.broadcast(logits, src=pp_ranks[-1], group=pp_group)
     return logits if value_model else logits[..., : chunks[0].hf_config.vocab_size].contiguous()
