@@ -67,8 +67,10 @@ def warmup_communicators(
     :param trigger: what ran it, for the report.
     :raises megastart.distributed.CollectiveError: on every rank, if any rank
         failed or did not arrive within ``timeout_s``; and on every later call.
+    :raises RuntimeError: when called inside a CUDA graph capture, touching nothing.
     """
     global _report, _failure
+    _refuse_inside_graph_capture()
     if _failure is not None:
         raise _failure
     settings = settings if settings is not None else _settings()
@@ -80,6 +82,19 @@ def warmup_communicators(
         _failure = e
         raise
     return _report
+
+
+def _refuse_inside_graph_capture() -> None:
+    """A collective issued while a CUDA graph is being captured is recorded into the graph, not
+    run, or breaks the capture: the warmup belongs before the step is captured."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "comm_warmup: called inside a CUDA graph capture (the current stream is capturing): "
+            "its collectives would be recorded into the graph instead of connecting the "
+            "communicators; call warmup_communicators before the train step is captured"
+        )
 
 
 def warmup_for_engine(engine: EngineContext, trigger: str) -> WarmupReport | None:
