@@ -5,15 +5,12 @@ in every layout, on both of the reader node's routes; and the weights travel as 
 
 from __future__ import annotations
 
-import json
-import shutil
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from support.loader_ranks import load_parameters
-from support.quantise import DEEPSEEK_BLOCK, dequantised, quantise_fp8, rewrite_shards
+from support.quantise import DEEPSEEK_BLOCK, fp8_and_reference
 
 from megastart.harness.launch import RankPool
 
@@ -30,19 +27,6 @@ WIDE_MLP = {
     "qwen3_moe": {"moe_intermediate_size": 192},
 }
 """MLP weights of 24 KiB (dense) and 12 KiB (experts) in FP8: larger than a tiny bucket."""
-
-
-def fp8_and_reference(source: Path, out: Path, block: tuple[int, int]) -> tuple[str, str]:
-    """An FP8 copy of ``source`` and, beside it, its block dequantisation in float32 (the
-    dtype the test models are built in) as a plain checkpoint."""
-    fp8 = Path(shutil.copytree(source, out / "fp8"))
-    quantise_fp8(fp8, block)
-    reference = Path(shutil.copytree(fp8, out / "reference"))
-    rewrite_shards(reference, lambda tensors: dequantised(tensors, block, torch.float32))
-    config = json.loads((reference / "config.json").read_text())
-    del config["quantization_config"]
-    (reference / "config.json").write_text(json.dumps(config))
-    return str(fp8), str(reference)
 
 
 @pytest.fixture(scope="module")

@@ -5,30 +5,42 @@ parameter set to NaN before each load so that nothing left untouched passes."""
 
 from __future__ import annotations
 
+import sys
+from importlib import import_module
+from importlib.util import find_spec
 from typing import Any
 
 import torch
 
 from megastart.harness.model import cpu_block_spec
 from support.loader_ranks import megatron
-from support.te_stub import import_with_te_stub
+from support.te_stub import STUBS, import_with_te_stub
 
 
 def import_megatron_bridge() -> Any:
-    """``megatron.bridge``, imported with :mod:`support.te_stub`'s shims."""
+    """``megatron.bridge``: as users import it where Transformer Engine is installed (the GPU
+    machine), else with :mod:`support.te_stub`'s shims."""
+    if STUBS not in sys.path and find_spec("transformer_engine") is not None:
+        return import_module("megatron.bridge")
     return import_with_te_stub("megatron.bridge")
 
 
-def build(checkpoint: str, layout: dict[str, int], dtype: str = "float32") -> tuple[Any, list[Any]]:
-    """The checkpoint's ``AutoBridge`` and this rank's chunks, from Megatron-Bridge's provider
-    with Megatron's local layer spec, initialised on the CPU."""
+def build(
+    checkpoint: str, layout: dict[str, int], dtype: str = "float32", device: str = "cpu"
+) -> tuple[Any, list[Any]]:
+    """The checkpoint's ``AutoBridge`` and this rank's chunks, from Megatron-Bridge's provider:
+    on the CPU with Megatron's local layer spec; on ``"cuda"`` with the provider's own
+    (Transformer Engine's) and grouped-GEMM experts, initialised on the GPU."""
     bridge_module = import_megatron_bridge()
     bridge = bridge_module.AutoBridge.from_hf_pretrained(checkpoint)
     provider = bridge.to_megatron_provider(load_weights=False)
-    provider.transformer_layer_spec = cpu_block_spec
-    for fused in CPU_OFF:
-        if hasattr(provider, fused):
-            setattr(provider, fused, False)
+    if device == "cpu":
+        provider.transformer_layer_spec = cpu_block_spec
+        for fused in CPU_OFF:
+            if hasattr(provider, fused):
+                setattr(provider, fused, False)
+    else:
+        provider.moe_grouped_gemm = bool(getattr(provider, "num_moe_experts", None))
     provider.moe_token_dispatcher_type = "allgather"
     provider.tensor_model_parallel_size = layout.get("tp", 1)
     provider.pipeline_model_parallel_size = layout.get("pp", 1)
@@ -41,7 +53,7 @@ def build(checkpoint: str, layout: dict[str, int], dtype: str = "float32") -> tu
     provider.bf16 = dtype == "bfloat16"
     provider.finalize()
     chunks = provider.provide_distributed_model(
-        wrap_with_ddp=False, use_cpu_initialization=True, mixed_precision_wrapper=None
+        wrap_with_ddp=False, use_cpu_initialization=device == "cpu", mixed_precision_wrapper=None
     )
     return bridge, chunks
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -92,3 +93,16 @@ def dequantised(
         tensors[weight] = (tensors[weight].float() * expanded[:rows, :cols]).to(dtype)
     for name, tensor in tensors.items():
         tensors[name] = tensor.to(dtype)
+
+
+def fp8_and_reference(source: Path, out: Path, block: tuple[int, int]) -> tuple[str, str]:
+    """An FP8 copy of ``source`` and, beside it, its block dequantisation in float32 (the
+    dtype the test models are built in) as a plain checkpoint."""
+    fp8 = Path(shutil.copytree(source, out / "fp8"))
+    quantise_fp8(fp8, block)
+    reference = Path(shutil.copytree(fp8, out / "reference"))
+    rewrite_shards(reference, lambda tensors: dequantised(tensors, block, torch.float32))
+    config = json.loads((reference / "config.json").read_text())
+    del config["quantization_config"]
+    (reference / "config.json").write_text(json.dumps(config))
+    return str(fp8), str(reference)
