@@ -1,0 +1,116 @@
+"""The GPU suite: skipped where CUDA is not available, never in CI (the nox ``tests`` session
+ignores this folder); run on the GPU machine with ``tests/gpu/run``.
+
+Its checkpoints are tiny random bf16 models, written once per session: the project's own
+(:func:`megastart.harness.checkpoints.make_checkpoint`), Gemma 3 and OLMoE (architectures
+only Megatron-Bridge maps), and FP8 block-scaled copies made from bf16 as DeepSeek's are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from megastart.harness.launch import RankPool
+
+HERE = Path(__file__).parent
+
+SMALL = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=16,
+    max_position_embeddings=128,
+    dtype="bfloat16",
+)
+"""The size of :func:`megastart.harness.checkpoints.small_config`, for the configs made here."""
+
+BRIDGE_ONLY = {
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM", dict(query_pre_attn_scalar=16)),
+    # as OLMoE: every head its own K/V, head size hidden / heads (its config has no head_dim)
+    "olmoe": (
+        "olmoe",
+        "OlmoeForCausalLM",
+        dict(num_experts=4, num_experts_per_tok=2, num_key_value_heads=8, head_dim=8),
+    ),
+}
+"""Architectures with no built-in table: (model_type, class, fields)."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip = pytest.mark.skip(reason="needs CUDA: run tests/gpu/run on the GPU machine")
+    for item in items:
+        if HERE in item.path.parents:
+            item.add_marker(pytest.mark.gpu)
+            if not torch.cuda.is_available():
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def nccl() -> Iterator[RankPool]:
+    """One rank over NCCL on the GPU, started once per module."""
+    with RankPool(1, timeout_s=600, backend="nccl") as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def shared_gpu() -> Iterator[RankPool]:
+    """Two ranks over gloo, both on the one GPU (NCCL refuses two ranks on one device)."""
+    with RankPool(2, timeout_s=600) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``checkpoint(name)``: the directory of a bf16 checkpoint, made on first use. ``name`` is
+    an architecture of the harness, one of :data:`BRIDGE_ONLY`, ``deepseek_v3_plain_q``
+    (no ``q_lora_rank``), or ``<one of those>_fp8`` (FP8 block-scaled, DeepSeek's blocks,
+    with its dequantisation beside it: :func:`reference_of`)."""
+    made: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in made:
+            made[name] = str(make(name, tmp_path_factory.mktemp(name)))
+        return made[name]
+
+    return get
+
+
+def make(name: str, out: Path) -> Path:
+    from support.quantise import DEEPSEEK_BLOCK, fp8_and_reference
+    from transformers import AutoConfig
+
+    from megastart.harness.checkpoints import make_checkpoint
+
+    if name.endswith("_fp8"):  # beside it, "reference": its dequantisation (float32)
+        directory = make(name.removesuffix("_fp8"), out / "bf16")
+        return Path(fp8_and_reference(directory, out, DEEPSEEK_BLOCK)[0])
+    if name in BRIDGE_ONLY:
+        model_type, cls, fields = BRIDGE_ONLY[name]
+        config = AutoConfig.for_model(model_type, architectures=[cls], **{**SMALL, **fields})
+        return make_checkpoint(config, out)
+    if name == "deepseek_v3_plain_q":
+        return make_checkpoint("deepseek_v3", out, dtype="bfloat16", q_lora_rank=None)
+    return make_checkpoint(name, out, dtype="bfloat16")
+
+
+@pytest.fixture(scope="session")
+def truth(checkpoint: Any) -> Any:
+    """``truth(name)``: transformers' float32 logits on :data:`support.loader_ranks.TOKENS` for
+    the checkpoint (an FP8 one's: for its dequantisation), computed on the CPU."""
+    from support.loader_ranks import reference_logits
+
+    def get(name: str) -> torch.Tensor:
+        directory = Path(checkpoint(name))
+        return reference_logits(
+            directory.parent / "reference" if name.endswith("_fp8") else directory
+        )
+
+    return get
