@@ -50,7 +50,7 @@ def test_megastart_loads_what_the_bridge_loads_into_te_models_bit_for_bit(
     if name.startswith(MOE):
         assert got["grouped"] > 0, "no grouped-GEMM expert weights (TEGroupedMLP)"
     assert not got["bridge_left_nan"], f"the bridge's own load left {got['bridge_left_nan']}"
-    assert got["by_registry"], "megastart left the load to the bridge"
+    assert got["by_registry"], f"megastart left the load to the bridge: {got['said']}"
     assert not got["registry_differs"], f"through the registry: {got['registry_differs']}"
     if built_in:
         assert not got["table_differs"], f"with the built-in table: {got['table_differs']}"

@@ -97,7 +97,7 @@ def bridge_and_megastart(checkpoint: str, device: str, built_in: bool) -> dict[s
     from megastart.loader.api import load_for_engine
     from megastart.records import EngineContext
 
-    with megatron_on(device, {}):
+    with megatron_on(device, {}), logged() as lines:
         bridge, chunks = build_by_bridge(checkpoint, {}, "bfloat16", device)
         poison(chunks)
         bridge.load_hf_weights(chunks, checkpoint)
@@ -118,6 +118,7 @@ def bridge_and_megastart(checkpoint: str, device: str, built_in: bool) -> dict[s
             dtypes=sorted({str(t.dtype) for t in theirs.values()}),
             bridge_left_nan=nan,
             by_registry=report is not None,
+            said=list(lines),  # why megastart left the load to the bridge, if it did
             registry_differs=differences(theirs, state(chunks)),
         )
         if built_in:
@@ -277,17 +278,20 @@ def train_step(chunk: Any, device: str) -> dict[str, Any]:
 
 def mbridge_and_megastart(checkpoint: str, device: str) -> dict[str, Any]:
     """World size 1: the model mbridge builds (Transformer Engine's specs, bf16, wrapped as verl
-    wraps it), loaded by mbridge's own ``load_weights`` and by ``load_hf_checkpoint``; what
-    differs."""
+    wraps it), loaded by mbridge's own ``load_weights`` and by ``load_hf_checkpoint`` (which
+    takes the chunks unwrapped, as the verl adapter hands them over); what differs."""
     from mbridge import AutoBridge
 
     from megastart import load_hf_checkpoint
 
     with megatron_on(device, {}):
+        from megatron.core.utils import unwrap_model
+
         bridge = AutoBridge.from_pretrained(checkpoint)
-        chunks = bridge.get_model(bf16=True, wrap_with_ddp=False)
+        models = bridge.get_model(bf16=True, wrap_with_ddp=False)  # in Float16Module
+        chunks = unwrap_model(models)
         poison(chunks)
-        bridge.load_weights(chunks, checkpoint)
+        bridge.load_weights(models, checkpoint)
         theirs, nan = state(chunks), left_nan(parameters(chunks))
         poison(chunks)
         load_hf_checkpoint(chunks, checkpoint, settings=settings())
