@@ -56,14 +56,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="module")
 def nccl() -> Iterator[RankPool]:
     """One rank over NCCL on the GPU, started once per module."""
-    with RankPool(1, timeout_s=600, backend="nccl") as pool:
+    with RankPool(1, timeout_s=240, backend="nccl") as pool:
         yield pool
 
 
 @pytest.fixture(scope="module")
 def shared_gpu() -> Iterator[RankPool]:
     """Two ranks over gloo, both on the one GPU (NCCL refuses two ranks on one device)."""
-    with RankPool(2, timeout_s=600) as pool:
+    with RankPool(2, timeout_s=240) as pool:
         yield pool
 
 
