@@ -46,7 +46,7 @@ def measure(
     """Run the limits and every strategy, once per page-cache condition; one result per
     condition. ``read_gbps`` caps each process's reads of the files."""
     from megastart.bench import limits
-    from megastart.bench.strategies import checkpoint_files
+    from megastart.bench.baselines import checkpoint_files
     from megastart.loader.checkpoint import read_metadata
 
     meta = read_metadata(checkpoint, allow_pickle=False)

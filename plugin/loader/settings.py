@@ -6,6 +6,9 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+PLUGIN = "rank0_loader"
+"""The plugin's name: its settings section, its board, its log lines."""
+
 BUCKET_MB_RANGE = (0.01, 1024.0)
 """The ``bucket_mb`` values accepted (MiB), see :attr:`Rank0LoaderSettings.bucket_mb`."""
 

@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 from megastart.loader.checkpoint import CheckpointMeta
 from megastart.loader.copier import Copier
 from megastart.loader.dequantise import BlockScaled
+from megastart.loader.needs import Need
 from megastart.loader.node import node_segment
 from megastart.loader.pagecache import Frontier
-from megastart.loader.plan import Bucket, Need, Plan, Slot
+from megastart.loader.plan import Bucket, Plan, Slot
 from megastart.loader.route import Route
 from megastart.loader.shm import Segment
 from megastart.loader.transforms import TRANSFORMS, Shard

@@ -481,19 +481,19 @@ def load_with_another_plan_on(
     """``rank`` plans buckets 8 times larger than the others (a bug the size check must catch)."""
     import torch.distributed as dist
 
-    from megastart.loader import api
+    from megastart.loader import planning
 
-    original = api.build_plan
+    original = planning.build_plan
 
     def larger_buckets(*args: Any, bucket_bytes: int, **kwargs: Any) -> Any:
         return original(*args, bucket_bytes=8 * bucket_bytes, **kwargs)
 
     if dist.get_rank() == rank:
-        api.build_plan = larger_buckets
+        planning.build_plan = larger_buckets
     try:
         return timed_load(checkpoint, layout, overrides)
     finally:
-        api.build_plan = original
+        planning.build_plan = original
 
 
 class ValueHead(torch.nn.Linear):
