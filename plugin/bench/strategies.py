@@ -9,6 +9,8 @@ only how the bytes get from the files to the ranks differs (the baselines:
 * ``megastart``: :func:`megastart.load_hf_checkpoint` (one reader; its node's ranks take
   their slices from the page cache, other nodes' from shared memory).
 * ``megastart_shm``: the same with ``reader_node=shared_memory`` (shared memory everywhere).
+* ``megastart_staged``: the same with ``cuda_copy=staged`` (into CUDA through page-locked
+  staging only, the fallback of the registered page cache).
 * ``megastart_registry``: the same, with the mapping from Megatron-Bridge's registry for the
   checkpoint's architecture (as on verl 0.9's default branch), where Megatron-Bridge imports.
 * ``every_rank_full``: every rank holds a private copy of the whole checkpoint.
@@ -42,6 +44,10 @@ IMPLEMENTATIONS = {
         "real: megastart.load_hf_checkpoint(bridge=AutoBridge.from_hf_pretrained(checkpoint)): "
         "the mapping from Megatron-Bridge's registry, not the built-in table"
     ),
+    "megastart_staged": (
+        "real: megastart.load_hf_checkpoint with cuda_copy=staged (into CUDA through "
+        "page-locked staging chunks only, none of the page cache registered)"
+    ),
     "every_rank_full": (
         "re-implementation of verl's legacy loader (before verl PR #330 every rank ran "
         "from_pretrained, verl/utils/model.py _load_hf_model, and copied its slices): every "
@@ -64,6 +70,7 @@ MEGASTART_ROUTES = {
     "megastart": {},
     "megastart_shm": {"reader_node": "shared_memory"},
     "megastart_registry": {},
+    "megastart_staged": {"cuda_copy": "staged"},
 }
 """The strategies that are megastart, and the settings each adds to the benchmark's."""
 

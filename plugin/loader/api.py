@@ -48,7 +48,7 @@ from megastart.loader.checkpoint import (
     as_seen_here,
     read_metadata,
 )
-from megastart.loader.copier import Copier, copy_threads
+from megastart.loader.copier import Copier
 from megastart.loader.model import UnsupportedArchitecture, local_needs, mapping_table
 from megastart.loader.needs import left_to_host
 from megastart.loader.node import node_board
@@ -62,6 +62,7 @@ from megastart.loader.planning import (
 )
 from megastart.loader.route import open_route
 from megastart.loader.settings import PLUGIN, Rank0LoaderSettings
+from megastart.loader.staging import copy_threads
 from megastart.loader.stream import Stream
 from megastart.loader.transport import reader_groups
 from megastart.loader.verify import Coverage
