@@ -8,9 +8,10 @@
    page cache (the reader's node) or its node's shared memory;
 4. verify: every element of every local parameter was written exactly once.
 
-Before any of them the ranks check in (a rank that never calls is named) and
-agree on their settings. A failure in any phase, on any rank, is raised on
-every rank (``all_or_none``), within ``timeout_s`` and a fraction of a second:
+Before any of them the ranks check in (a rank that never calls is named); they
+agree on their settings in the plan's gather (one collective less). A failure in
+any phase, on any rank, is raised on every rank (``all_or_none``), within
+``timeout_s`` and a fraction of a second:
 the failing rank announces it on the load's ``Board`` and every wait looks
 there. A process whose load failed refuses the next one (``Sticky``): its
 peers and groups are in an unknown state. What a failed load leaves in the
@@ -32,9 +33,9 @@ from megastart.distributed import (
     Board,
     OwnGroups,
     Sticky,
-    agree,
     all_or_none,
     broadcast_or_raise,
+    check_agreed,
     discard_control,
     discarding_control,
     kept_control,
@@ -215,14 +216,8 @@ def _load(
 
     rank = dist.get_rank()
     control = kept_control(timeout_s=own.timeout_s)
-    agree(
-        PLUGIN,
-        {f: v for f, v in dataclasses.asdict(settings).items() if f != "progress"},
-        control=control,
-        timeout_s=own.timeout_s,
-        fix="set the MEGASTART_RANK0_LOADER_* variables (or the megastart.rank0_loader config) "
-        "the same on every rank",
-    )
+    # agreed with the demands' gather below: one collective less before any bulk transfer
+    agreed = {f: v for f, v in dataclasses.asdict(settings).items() if f != "progress"}
     phase = partial(all_or_none, timeout_s=settings.timeout_s, control=control, board=board)
 
     meta: CheckpointMeta | None = broadcast_or_raise(
@@ -248,15 +243,21 @@ def _load(
                 chunks, meta, table, value_model=value_model, bridge=bridge
             )
         except Untranslatable as e:  # the bridge loads, on every rank: agreed below
-            planned.share(RankDemands(node_key(), b"", "", [], False, str(e)))
+            planned.share(RankDemands(node_key(), b"", "", [], False, agreed, str(e)))
         else:
             device = tensors[next(iter(tensors))].device if tensors else _cpu()
             demands = packed([demand for need in needs for demand in need.demands()], meta)
             left = [p.name for p in left_to_host(params, needs)]
             planned.share(
-                RankDemands(node_key(), demands, device.type, left, pagecache.supported())
+                RankDemands(node_key(), demands, device.type, left, pagecache.supported(), agreed)
             )
     by_rank: list[RankDemands] = planned.shared
+    check_agreed(
+        PLUGIN,
+        [r.settings for r in by_rank],
+        fix="set the MEGASTART_RANK0_LOADER_* variables (or the megastart.rank0_loader config) "
+        "the same on every rank",
+    )
     untranslatable = sorted({r.untranslatable for r in by_rank} - {""})
     if untranslatable:
         raise Untranslatable(untranslatable[0])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from megastart.errors import PlanError, SettingsError
 from megastart.loader.checkpoint import CheckpointMeta
@@ -40,6 +40,8 @@ class RankDemands(NamedTuple):
     """Its parameters the load leaves as the host initialised them (canonical names)."""
     page_cache: bool
     """Whether its kernel populates mappings on request (:func:`pagecache.supported`)."""
+    settings: dict[str, Any]
+    """Its ``rank0_loader`` settings (but ``progress``), which every rank's must equal."""
     untranslatable: str = ""
     """Why the host's bridge's mapping cannot be reproduced here (``""``: it can)."""
 
