@@ -11,6 +11,9 @@ import torch
 
 from support.loader_ranks import build, megatron, settings
 
+GLOO = {"transport": "gloo"}
+"""Ranks sharing one GPU: NCCL refuses two ranks on one device (the benchmark's choice too)."""
+
 
 class RecordingDriver:
     """The loader's CUDA driver, recording every registration and unregistration and what the
@@ -114,7 +117,7 @@ def load_into_cuda(
     try:
         with megatron(layout), recorded_driver(refuse) as drivers, copied_straight() as straight:
             chunks = cuda_chunks(checkpoint)
-            load_hf_checkpoint(chunks, checkpoint, settings=settings(**overrides))
+            load_hf_checkpoint(chunks, checkpoint, settings=settings(**GLOO, **overrides))
             torch.cuda.synchronize()
             params = {n: p.detach().cpu() for n, p in chunks[0].named_parameters()}
     finally:
@@ -154,7 +157,7 @@ def failing_load_into_cuda(
         with megatron(layout), recorded_driver(False) as drivers:
             chunks = cuda_chunks(checkpoint)
             try:
-                load_hf_checkpoint(chunks, checkpoint, settings=settings(**overrides))
+                load_hf_checkpoint(chunks, checkpoint, settings=settings(**GLOO, **overrides))
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
             torch.cuda.synchronize()
