@@ -154,15 +154,12 @@ class Registrations:
         self._stop = threading.Event()
         self.refused = ""
         """The driver's refusal (``""``: none)."""
+        self.nbytes = 0
+        """Bytes registered."""
         self.seconds = 0.0
         """Time spent registering (on the registration thread, overlapped with the copies)."""
         self._worker = ThreadPoolExecutor(1, "megastart-register")
         self._work = self._worker.submit(self._register, list(blocks), resident)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes registered so far."""
-        return sum(block.nbytes for block in list(self._registered.values()))
 
     def covering(self, address: int, nbytes: int) -> list[tuple[int, int]] | None:
         """``[address, address + nbytes)`` as (offset, length) spans, one per registered block
@@ -257,6 +254,7 @@ class Registrations:
             )
             return
         self._registered[block.address] = block
+        self.nbytes += block.nbytes
 
     def _unregister_all(self) -> None:
         failed = []

@@ -82,11 +82,8 @@ class Ring:
         self._open: int | None = None
         self._offset = 0
         self._next = 0
-
-    @property
-    def nbytes(self) -> int:
-        """The ring's memory."""
-        return sum(chunk.numel() for chunk in self._chunks)
+        self.staged_bytes = 0
+        """Bytes put through the ring."""
 
     def put(self, target: torch.Tensor, source: torch.Tensor) -> bool:
         """Stage ``target[...] = source`` (converting the dtype); ``False`` where a row does
@@ -110,6 +107,7 @@ class Ring:
             self._blocks[chunk].append((staged, block, target[first : first + count]))
             self._offset = -(-(self._offset + nbytes) // _ALIGN) * _ALIGN
             first += count
+        self.staged_bytes += rows * row_bytes
         return True
 
     def flush(self) -> None:

@@ -66,6 +66,7 @@ def test_staging_ring_copies_pieces_of_every_shape_bit_exact(threads: int) -> No
     for target, source in zip(targets, sources, strict=True):
         assert torch.equal(target, source.to(torch.bfloat16))
     assert len(sent) > 4  # the ring went round: chunks were refilled once sent
+    assert staging.staged_bytes == sum(s.numel() * 2 for s in sources)  # as bfloat16
     if pool is not None:
         pool.shutdown()
 
