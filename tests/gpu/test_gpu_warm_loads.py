@@ -82,9 +82,11 @@ def test_one_rank_copies_a_warm_checkpoint_straight_from_the_registered_page_cac
     warm(directory)
     loaded = rank_pools[1].run(load_into_cuda, str(directory), {}, {"cuda_copy": "registered"})
     assert_same(expected, loaded)
+    routes = [line for line in loaded[0]["lines"] if "straight out of" in line]
+    print(*routes, sep="\n")  # for the run's log: how the bytes reached the GPU
     blocks = [a for a, flags in loaded[0]["registered"] if flags & READ_ONLY]
-    assert blocks, "no block of the page cache was registered"
-    assert loaded[0]["straight_bytes"] > 0
+    assert blocks, f"no block of the page cache was registered: {loaded[0]['lines']}"
+    assert loaded[0]["straight_bytes"] > 0, routes
 
 
 def test_every_registered_block_is_unregistered_after_a_failed_load(

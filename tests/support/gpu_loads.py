@@ -113,7 +113,9 @@ def load_into_cuda(
 
     handler = Lines()
     logger = logging.getLogger("megastart")
+    level = logger.level
     logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     try:
         with megatron(layout), recorded_driver(refuse) as drivers, copied_straight() as straight:
             chunks = cuda_chunks(checkpoint)
@@ -122,6 +124,7 @@ def load_into_cuda(
             params = {n: p.detach().cpu() for n, p in chunks[0].named_parameters()}
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(level)
     return {
         "params": params,
         "registered": [r for d in drivers for r in d.registered],
