@@ -44,8 +44,6 @@ shorter), each registered at most once, so no two registrations overlap."""
 LEAD_BLOCKS = 2
 """Blocks registered ahead of the last one a copy reached: registering maps a block's pages
 into the process, so the lead bounds what the registration adds to a rank's memory."""
-WAIT_S = 5.0
-"""How long a copy waits for its block's turn before it goes through the staging ring."""
 REGISTER_PORTABLE = 1
 """``cudaHostRegisterPortable``: pinned for every CUDA context, whichever thread registered."""
 REGISTER_READ_ONLY = 8
@@ -146,8 +144,6 @@ class Registrations:
         self._starts = [block.address for block in self._by_address]
         self._order = {block.address: i for i, block in enumerate(blocks)}
         self._registered: dict[int, Block] = {}
-        self._decided = -1
-        """The last block, in the order of use, registered or passed over."""
         self._reached = -1
         """The furthest block, in the order of use, that a copy has asked for."""
         self._progress = threading.Condition()
@@ -163,10 +159,10 @@ class Registrations:
 
     def covering(self, address: int, nbytes: int) -> list[tuple[int, int]] | None:
         """``[address, address + nbytes)`` as (offset, length) spans, one per registered block
-        it crosses; ``None`` where any part of it is not registered. Waits for the blocks'
-        turn (at most :data:`WAIT_S`): queueing a DMA takes microseconds, registering a block
-        a millisecond, so copies that did not wait would all find their blocks not yet
-        registered."""
+        it crosses; ``None`` where any part of it is not registered (yet): the copy then goes
+        through the staging ring, which paces the copies while the registration catches up
+        (a DMA is queued in microseconds, a block registered in milliseconds), so the two
+        routes share the work."""
         index = bisect.bisect_right(self._starts, address) - 1
         spans: list[tuple[int, int]] = []
         position, end = address, address + nbytes
@@ -178,7 +174,7 @@ class Registrations:
             if not block.address <= position < stop:
                 return None
             self._reach(block)
-            if block.address not in self._registered and not self._decide(block):
+            if block.address not in self._registered:
                 return None
             spans.append((position - address, min(end, stop) - position))
             position = min(end, stop)
@@ -192,18 +188,6 @@ class Registrations:
             with self._progress:
                 self._reached = order
                 self._progress.notify()
-
-    def _decide(self, block: Block) -> bool:
-        """Wait until the registration has passed ``block``; whether it registered it."""
-        order = self._order[block.address]
-        deadline = time.monotonic() + WAIT_S
-        with self._progress:
-            while self._decided < order and not self._work.done():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._progress.wait(left)
-        return block.address in self._registered
 
     def close(self) -> None:
         """Stop registering and unregister every block registered: call it once no copy out
@@ -227,12 +211,7 @@ class Registrations:
                     self._progress.wait()
             if self._stop.is_set():
                 return
-            try:
-                self._register_one(block, resident)
-            finally:
-                with self._progress:
-                    self._decided = order
-                    self._progress.notify_all()
+            self._register_one(block, resident)
             if self.refused:
                 return
 

@@ -51,8 +51,8 @@ class Rank0LoaderSettings:
     """Tensors are streamed in buckets of at most this many MiB (a tensor larger than
     that travels as row blocks in several buckets). Transient memory is about three
     buckets of shared memory per node, whatever the largest tensor, and with CUDA
-    parameters two 8 MiB page-locked staging chunks per copy thread of each rank, at most
-    128 MiB (:mod:`megastart.loader.staging`). 32: on
+    parameters two 4 MiB page-locked staging chunks per copy thread of each rank, at most
+    64 MiB (:mod:`megastart.loader.staging`). 32: on
     ``megastart bench loader`` (1 GB Qwen2, TP2 x PP2, gloo) it loaded faster than
     64 or 256 when buckets travelled by broadcast (smaller messages let the read of
     the next bucket and the broadcast tree's hops overlap sooner); three 32 MiB

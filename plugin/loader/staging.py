@@ -27,9 +27,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
-CHUNK_BYTES = 8 << 20
-"""Size of one staging chunk: on an H100 node, 8 MiB chunks through rotating page-locked
-buffers ran at 10 / 38 / 52 GB/s on 1 / 4 / 8 threads (issue #40)."""
+CHUNK_BYTES = 4 << 20
+"""Size of one staging chunk. A bucket (32 MiB by default) ends in a flush that waits for
+its chunks' fills, so a bucket must span as many chunks as there are fill threads: 8 of
+4 MiB. (On an H100 node 8 MiB chunks through rotating page-locked buffers ran at
+10 / 38 / 52 GB/s on 1 / 4 / 8 threads, issue #40.)"""
 MAX_THREADS = 8
 """Fill threads per rank at most: 8 threads reach the link's rate on one GPU."""
 _ALIGN = 64
