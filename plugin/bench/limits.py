@@ -2,7 +2,8 @@
 
 A loader that reads the checkpoint once and broadcasts it needs at least
 max(read time, broadcast time); these functions measure both rates, with the
-files in the page cache or, after :func:`drop_from_page_cache`, off the storage.
+files in the page cache or, after :func:`drop_from_page_cache`, off the storage,
+and with CUDA parameters the rate of page-locked memory into the GPU (the link).
 """
 
 from __future__ import annotations
@@ -68,6 +69,33 @@ def broadcast_throughput(nbytes: int, repeats: int = 3) -> float:
         dist.barrier()
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def host_to_device_throughput(nbytes: int, repeats: int = 3) -> float:
+    """Rank function: the fastest of ``repeats`` copies of ``nbytes`` of page-locked host memory
+    into this rank's GPU, in GB/s, on rank 0 (0.0 on the others: the ranks of the benchmark
+    share one GPU's link, which one rank measures alone).
+
+    The link's rate: what a loader that reads nothing and converts nothing would reach.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() != 0:
+        return 0.0
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    device.copy_(host, non_blocking=True)  # the first copy pays for setting up the path
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        device.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    del host, device
+    torch.cuda.empty_cache()
+    return nbytes / best / 1e9
 
 
 class ReadCap:

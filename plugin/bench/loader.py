@@ -39,8 +39,9 @@ log = logging.getLogger("megastart")
 HELP = "megastart's loader against every-rank, stage-reader and mmap-slice loading"
 
 STRATEGIES = ("megastart", "megastart_shm", "every_rank_full", "stage_reader", "mmap_slices")
-OPTIONAL_STRATEGIES = ("megastart_registry",)
-"""Strategies run only when asked for: ``megastart_registry`` needs Megatron-Bridge."""
+OPTIONAL_STRATEGIES = ("megastart_registry", "megastart_staged")
+"""Strategies run only when asked for: ``megastart_registry`` needs Megatron-Bridge;
+``megastart_staged`` differs from ``megastart`` only with ``--device cuda``."""
 KNOWN_STRATEGIES = STRATEGIES + OPTIONAL_STRATEGIES
 READERS = ("global", "node", "striped", "auto")
 """The ``rank0_loader.reader`` settings ``--readers`` takes."""
@@ -81,7 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--strategies",
         default=",".join(STRATEGIES),
         help=f"comma-separated subset of {','.join(KNOWN_STRATEGIES)} "
-        "(megastart is always run; megastart_registry maps through Megatron-Bridge's registry)",
+        "(megastart is always run; megastart_registry maps through Megatron-Bridge's registry; "
+        "megastart_staged copies into CUDA through page-locked staging only)",
     )
     parser.add_argument(
         "--readers",
@@ -108,7 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--repeats",
         type=int,
         default=1,
-        help="timed loads per strategy, after the one that measures memory; the fastest is reported",
+        help="timed loads per strategy, after the one that measures memory; the median is reported",
     )
     parser.add_argument(
         "--page-cache",

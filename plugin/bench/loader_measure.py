@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import statistics
 from collections.abc import Callable
 from dataclasses import asdict, fields
 from functools import partial
@@ -46,7 +47,7 @@ def measure(
     """Run the limits and every strategy, once per page-cache condition; one result per
     condition. ``read_gbps`` caps each process's reads of the files."""
     from megastart.bench import limits
-    from megastart.bench.strategies import checkpoint_files
+    from megastart.bench.baselines import checkpoint_files
     from megastart.loader.checkpoint import read_metadata
 
     meta = read_metadata(checkpoint, allow_pickle=False)
@@ -92,6 +93,7 @@ def measure(
     # and the best kept: the machine is shared, and a limit is what it can do at best.
     reads: dict[str, list[tuple[int, float]]] = {condition: [] for condition in page_caches}
     broadcasts: list[float] = []
+    links: list[float] = []
 
     def measure_reads(condition: str) -> None:
         for _ in range(3):
@@ -99,7 +101,7 @@ def measure(
             reads[condition].append(limits.read_throughput(files))
 
     for name in strategies:
-        measured, broadcast_s = _measure_strategy(
+        measured, broadcast_s, link_gbps = _measure_strategy(
             name,
             checkpoint,
             layout,
@@ -115,6 +117,7 @@ def measure(
             read_gbps=read_gbps,
         )
         broadcasts.append(broadcast_s)
+        links.append(link_gbps)
         for condition, result in measured.items():
             log.info(
                 "%s, page cache %s: %.2f s, node peak %.2f GB, transient %.2f GB",
@@ -136,6 +139,7 @@ def measure(
             broadcast_probe_bytes=probe,
             measurements=len(reads[condition]),
             page_cache_read_gbps=cached_read[0] / cached_read[1] / 1e9,
+            host_to_device_gbps=max(links),
         )
         run.machine.load_average_at_end = os.getloadavg()[0]
         reference = run.strategies[megastart_row(run.strategies)].checksums
@@ -160,7 +164,7 @@ def _measure_strategy(
     device: str,
     ranks_per_node: int,
     read_gbps: float | None,
-) -> tuple[dict[str, StrategyResult], float]:
+) -> tuple[dict[str, StrategyResult], float, float]:
     """One strategy in a fresh world, so no strategy inherits another's heap or state.
 
     Per page-cache condition (the keys of ``before_load``, which runs before each
@@ -168,10 +172,12 @@ def _measure_strategy(
     the read limit next to it; the first load measures memory, with the sampler
     reading every rank's full PSS as often as it can; then ``repeats`` loads
     into the same model measure time, with no sampler competing for the CPU,
-    and the fastest is reported (the one other processes on the machine
-    disturbed least). The conditions share the world: starting one costs more
-    than all of a small checkpoint's loads. Also returns the fastest of three
-    gloo broadcasts of ``probe_bytes`` in this world, in seconds.
+    and their median is reported (the machine is shared: the median is what a
+    load takes, the fastest what it takes undisturbed; the JSON has every run).
+    The conditions share the world: starting one costs more than all of a small
+    checkpoint's loads. Also returns the fastest of three gloo broadcasts of
+    ``probe_bytes`` in this world, in seconds, and with CUDA parameters the link's
+    rate (page-locked memory into rank 0's GPU, GB/s; else 0.0).
     """
     from megastart.bench import limits, strategies
     from megastart.harness.launch import RankPool
@@ -182,6 +188,11 @@ def _measure_strategy(
         pids = pool.run(os.getpid)
         broadcast_s = max(pool.run(limits.broadcast_throughput, probe_bytes))
         pool.run(strategies.build_model, str(checkpoint), asdict(layout), device)
+        link_gbps = (
+            max(pool.run(limits.host_to_device_throughput, probe_bytes))
+            if device == "cuda"
+            else 0.0
+        )
         for condition, before in before_load.items():
             reads(condition)
             load = partial(strategies.load, name, str(checkpoint), options, read_gbps)
@@ -194,13 +205,13 @@ def _measure_strategy(
                 walls.append(max(r["wall_s"] for r in per_rank))
             measured[condition] = StrategyResult(
                 implementation=strategies.implementation(name),
-                wall_s=min(walls),
+                wall_s=statistics.median(walls),
                 wall_s_runs=walls,
                 checksums=pool.run(strategies.checksum),
                 **{f.name: getattr(memory, f.name) for f in fields(memory)},
             )
         pool.run(strategies.teardown)
-    return measured, broadcast_s
+    return measured, broadcast_s, link_gbps
 
 
 def _measure_memory(

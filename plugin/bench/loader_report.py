@@ -3,7 +3,12 @@ measured next to it, the targets, and how each figure was measured."""
 
 from __future__ import annotations
 
-from megastart.bench.loader_results import ConditionResult, megastart_row, megastart_rows
+from megastart.bench.loader_results import (
+    ConditionResult,
+    link_share,
+    megastart_row,
+    megastart_rows,
+)
 
 PAGE_CACHE = {
     "cold": "dropped before every load and every read of the limits (POSIX_FADV_DONTNEED)",
@@ -36,7 +41,7 @@ def render(run: ConditionResult) -> str:
         "",
         f"{'strategy':<19} {'wall s':>7} {'x ms':>6} {'node peak GB':>13} {'transient GB':>13} "
         f"{'x ms':>6} {'rank peaks GB':>14} {'read GB':>8} {'x ckpt':>7}"
-        + (f" {'GPU extra GB':>13}" if cuda else "")
+        + (f" {'GPU extra GB':>13} {'GB/s':>6} {'x link':>6}" if cuda else "")
         + "  weights = megastart",
     ]
     for name, s in strategies.items():
@@ -46,7 +51,12 @@ def render(run: ConditionResult) -> str:
             f"{s.transient_bytes / max(ours.transient_bytes, 1):>6.1f} "
             f"{s.rank_peaks_transient_bytes / gb:>14.3f} "
             f"{s.bytes_read / gb:>8.2f} {s.bytes_read / run.checkpoint_bytes:>7.2f}"
-            + (f" {s.gpu_peak_extra_bytes / gb:>13.3f}" if cuda else "")
+            + (
+                f" {s.gpu_peak_extra_bytes / gb:>13.3f} {run.checkpoint_bytes / s.wall_s / gb:>6.1f}"
+                f" {link_share(run, s.wall_s):>6.2f}"
+                if cuda
+                else ""
+            )
             + f"  {'yes' if s.weights_match_megastart else 'NO'} ({len(s.checksums)} ranks)"
         )
     if nodes > 1:
@@ -76,6 +86,18 @@ def render(run: ConditionResult) -> str:
         f" gloo broadcasts {lim.broadcast_probe_bytes / 2**20:.0f} MiB to {layout.ranks} ranks at "
         f"{lim.broadcast_gbps:.2f} GB/s "
         f"({lim.broadcast_s:.2f} s for the checkpoint).",
+    ]
+    if cuda:
+        lines += [
+            "",
+            f"limit, the link: page-locked host memory into the GPU at "
+            f"{lim.host_to_device_gbps:.1f} GB/s, measured in this run (rank 0's GPU, "
+            f"{lim.broadcast_probe_bytes / 2**20:.0f} MiB, best of 3): the checkpoint in "
+            f"{run.checkpoint_bytes / gb / max(lim.host_to_device_gbps, 1e-9):.2f} s. GB/s: "
+            "checkpoint bytes / wall; x link: that / the link's rate (every rank here shares "
+            f"one GPU's link). megastart's page-locked staging: {staging_text(run)}.",
+        ]
+    lines += [
         "",
         "targets (reported, not asserted):",
     ]
@@ -98,7 +120,7 @@ def render(run: ConditionResult) -> str:
         "",
         "how it was measured:",
         "  wall s       each rank times its load between a barrier before and one after; the slowest"
-        " rank's time; the fastest of --repeats loads (all in the JSON's wall_s_runs), which run"
+        " rank's time; the median of --repeats loads (all in the JSON's wall_s_runs), which run"
         " after the load that measures memory, with no sampler running;",
         "  node peak    the highest sum over the ranks of PSS (/proc/<pid>/smaps_rollup), sampled by"
         " a thread of the benchmark every "
@@ -118,3 +140,14 @@ def render(run: ConditionResult) -> str:
         " the ranks share it), rchar misses mmap reads and counts gloo's socket traffic.",
     ]
     return "\n".join(lines)
+
+
+def staging_text(run: ConditionResult) -> str:
+    """megastart's page-locked staging per rank and on the node, as this run's layout sizes it."""
+    from megastart.loader.staging import CHUNK_BYTES, chunk_count, copy_threads
+
+    per_rank = chunk_count(copy_threads(run.ranks_per_node)) * CHUNK_BYTES
+    return (
+        f"{per_rank / 2**20:.0f} MiB per rank ({copy_threads(run.ranks_per_node)} fill threads), "
+        f"{per_rank * run.layout.ranks / 1e9:.2f} GB on the node, counted in its transient memory"
+    )

@@ -9,14 +9,28 @@ from typing import Any
 TARGETS = {
     "bytes_read_vs_checkpoint": "megastart's bytes read = the checkpoint's size",
     "transient_below_every_rank_full": "megastart's transient node memory >= 8x below every_rank_full's",
-    "transient_vs_mmap_slices": "megastart's transient node memory <= mmap_slices'",
-    "wall_vs_fastest": "megastart's wall time <= {bound}x the fastest strategy's",
+    "transient_vs_mmap_slices": "megastart's transient node memory <= {bound}x mmap_slices' "
+    "(page-locked staging included)",
+    "wall_vs_mmap_slices": "megastart's wall time <= {bound}x mmap_slices'",
+    "wall_vs_storage": "megastart's wall time <= {bound}x the storage limit (one reader)",
+    "link_share": "megastart's rate into one GPU >= {bound}x the link's (checkpoint bytes / "
+    "wall / page-locked host-to-device rate)",
     "striped_vs_global": "megastart[striped]'s wall time <= {bound}x megastart[global]'s",
     "striped_bytes_read": "megastart[striped]'s bytes read = the checkpoint's size",
 }
 
-WALL_VS_FASTEST = {"cold": 1.2, "warm": 1.5}
-"""The wall-time target against the fastest strategy, per page-cache condition."""
+WARM_VS_MMAP_SLICES = {"cuda": 1.0, "cpu": 1.0, "cpu, many cores": 1.2}
+"""Warm: the wall time against ``mmap_slices``' (issue #40). With CPU parameters on a node of
+many cores, ``mmap_slices`` takes tens of milliseconds and the load's fixed agreement
+phases count: 1.2x there."""
+MANY_CORES = 8
+"""A machine of more cores than this is a GPU node, for :data:`WARM_VS_MMAP_SLICES`."""
+COLD_VS_STORAGE = 1.05
+"""Cold: the wall time against the storage limit the benchmark measures (one reader)."""
+TRANSIENT_VS_MMAP_SLICES = 0.25
+"""Transient node memory against ``mmap_slices``', page-locked staging included."""
+LINK_SHARE = 0.6
+"""Warm, one rank on one GPU: checkpoint bytes / wall / the link's rate, at least."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -106,6 +120,9 @@ class Limits:
     broadcast_probe_bytes: int
     measurements: int
     page_cache_read_gbps: float
+    host_to_device_gbps: float = 0.0
+    """With CUDA parameters: page-locked host memory into one GPU, best of several (the
+    link's rate; 0.0 without CUDA)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -173,21 +190,30 @@ def megastart_row(strategies: dict[str, Any]) -> str:
 
 
 def targets(run: ConditionResult) -> dict[str, Target]:
-    """megastart's figures against the other strategies' (reported, not asserted)."""
+    """megastart's figures against the other strategies' and the limits (reported, not
+    asserted)."""
     strategies = run.strategies
     ours = strategies[megastart_row(strategies)]
-    fastest = min(s.wall_s for s in strategies.values())
-    wall_bound = WALL_VS_FASTEST[run.page_cache]
     ratios: dict[str, tuple[float, str, float]] = {
         "bytes_read_vs_checkpoint": (ours.bytes_read / run.checkpoint_bytes, "==", 1.0),
-        "wall_vs_fastest": (ours.wall_s / fastest, "<=", wall_bound),
     }
+    limits = run.limits
+    warm = run.page_cache == "warm"
     if "every_rank_full" in strategies:
         below = strategies["every_rank_full"].transient_bytes / max(ours.transient_bytes, 1)
         ratios["transient_below_every_rank_full"] = (below, ">=", 8.0)
-    if "mmap_slices" in strategies:
-        versus = ours.transient_bytes / max(strategies["mmap_slices"].transient_bytes, 1)
-        ratios["transient_vs_mmap_slices"] = (versus, "<=", 1.0)
+    mmap_slices = strategies.get("mmap_slices")
+    if mmap_slices is not None:
+        versus = ours.transient_bytes / max(mmap_slices.transient_bytes, 1)
+        ratios["transient_vs_mmap_slices"] = (versus, "<=", TRANSIENT_VS_MMAP_SLICES)
+        many = run.device == "cpu" and (run.machine.cpus or 0) > MANY_CORES
+        bound = WARM_VS_MMAP_SLICES["cpu, many cores" if many else run.device] if warm else 1.0
+        ratios["wall_vs_mmap_slices"] = (ours.wall_s / mmap_slices.wall_s, "<=", bound)
+    if not warm and limits is not None:
+        ratios["wall_vs_storage"] = (ours.wall_s / limits.read_s, "<=", COLD_VS_STORAGE)
+    if warm and run.device == "cuda" and run.layout.ranks == 1 and limits is not None:
+        share = link_share(run, ours.wall_s)
+        ratios["link_share"] = (share, ">=", LINK_SHARE)
     striped, one = strategies.get("megastart[striped]"), strategies.get("megastart[global]")
     if striped is not None and one is not None and run.ranks_per_node < run.layout.ranks:
         ratios["striped_vs_global"] = (striped.wall_s / one.wall_s, "<=", STRIPED_VS_GLOBAL)
@@ -202,3 +228,12 @@ def targets(run: ConditionResult) -> dict[str, Target]:
         what = TARGETS[key].format(bound=f"{bound:g}")
         out[key] = Target(value=value, target=f"{op} {bound:g}", met=met, what=what)
     return out
+
+
+def link_share(run: ConditionResult, wall_s: float) -> float:
+    """A load's rate into the GPU as a share of the link's: checkpoint bytes / ``wall_s`` /
+    the page-locked host-to-device rate measured in the same run (0.0 without one)."""
+    limits = run.limits
+    if limits is None or not limits.host_to_device_gbps:
+        return 0.0
+    return run.checkpoint_bytes / wall_s / 1e9 / limits.host_to_device_gbps

@@ -3,11 +3,14 @@
 Every strategy converts HF tensors to Megatron shards with megastart's own
 mapping tables and transforms (:mod:`megastart.loader.mappings`,
 :mod:`megastart.loader.transforms`), so all of them write the same values;
-only how the bytes get from the files to the ranks differs:
+only how the bytes get from the files to the ranks differs (the baselines:
+:mod:`megastart.bench.baselines`):
 
 * ``megastart``: :func:`megastart.load_hf_checkpoint` (one reader; its node's ranks take
   their slices from the page cache, other nodes' from shared memory).
 * ``megastart_shm``: the same with ``reader_node=shared_memory`` (shared memory everywhere).
+* ``megastart_staged``: the same with ``cuda_copy=staged`` (into CUDA through page-locked
+  staging only, the fallback of the registered page cache).
 * ``megastart_registry``: the same, with the mapping from Megatron-Bridge's registry for the
   checkpoint's architecture (as on verl 0.9's default branch), where Megatron-Bridge imports.
 * ``every_rank_full``: every rank holds a private copy of the whole checkpoint.
@@ -25,20 +28,11 @@ the benchmark builds, loads, measures and checksums in separate pool runs.
 from __future__ import annotations
 
 import hashlib
-import os
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from megastart.bench.baselines import BASELINES
 from megastart.bench.loader_results import strategy_reader
-
-if TYPE_CHECKING:
-    import torch
-
-    from megastart.loader.checkpoint import CheckpointMeta
-    from megastart.loader.plan import Need
-    from megastart.loader.transforms import Piece, Shard
 
 IMPLEMENTATIONS = {
     "megastart": "real: megastart.load_hf_checkpoint (reader=global, transport=gloo)",
@@ -49,6 +43,10 @@ IMPLEMENTATIONS = {
     "megastart_registry": (
         "real: megastart.load_hf_checkpoint(bridge=AutoBridge.from_hf_pretrained(checkpoint)): "
         "the mapping from Megatron-Bridge's registry, not the built-in table"
+    ),
+    "megastart_staged": (
+        "real: megastart.load_hf_checkpoint with cuda_copy=staged (into CUDA through "
+        "page-locked staging chunks only, none of the page cache registered)"
     ),
     "every_rank_full": (
         "re-implementation of verl's legacy loader (before verl PR #330 every rank ran "
@@ -72,6 +70,7 @@ MEGASTART_ROUTES = {
     "megastart": {},
     "megastart_shm": {"reader_node": "shared_memory"},
     "megastart_registry": {},
+    "megastart_staged": {"cuda_copy": "staged"},
 }
 """The strategies that are megastart, and the settings each adds to the benchmark's."""
 
@@ -135,7 +134,7 @@ def load(
         torch.cuda.reset_peak_memory_stats()
         gpu_before = torch.cuda.memory_allocated()
     bridge = _bridge(checkpoint) if strategy == "megastart_registry" else None
-    _STATE["cap"] = cap = ReadCap(read_gbps) if read_gbps else None
+    cap = ReadCap(read_gbps) if read_gbps else None
     routed = megastart_route(strategy)
     dist.barrier()
     start = time.perf_counter()
@@ -145,7 +144,7 @@ def load(
             options = megastart_options | routed
             bytes_read, between_nodes = _megastart(chunks, checkpoint, options, bridge)
     else:
-        bytes_read = _BASELINES[strategy](chunks, checkpoint)
+        bytes_read = BASELINES[strategy](chunks, _STATE["meta"], cap)
     if on_cuda:
         torch.cuda.synchronize()
     dist.barrier()
@@ -212,7 +211,7 @@ def teardown() -> None:
     destroy_megatron()
 
 
-# --- the strategies: (chunks, checkpoint) -> bytes this rank read -------------
+# --- megastart: (chunks, checkpoint, options, bridge) -> bytes read and sent ---
 
 
 def _megastart(
@@ -229,207 +228,3 @@ def _megastart(
     if dist.get_rank() == min(report.reader_ranks):
         return report.bytes_read, report.bytes_broadcast
     return 0, 0
-
-
-def _every_rank_full(chunks: list[Any], checkpoint: str) -> int:
-    from safetensors import safe_open
-
-    state: dict[str, torch.Tensor] = {}
-    for file in checkpoint_files(_STATE["meta"]):
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                # A private copy, as the HF model from_pretrained built on every rank held.
-                state[name] = f.get_tensor(name).clone()
-                _storage_read(state[name].nbytes)
-    for needs, shard in _needs_by_chunk(chunks):
-        for need in needs:
-            _write(need, _pieces(need, [state[n] for n in need.hf], shard))
-    bytes_read = sum(t.nbytes for t in state.values())
-    del state
-    return bytes_read
-
-
-def _stage_reader(chunks: list[Any], checkpoint: str) -> int:
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state as mpu
-
-    tp_group = mpu.get_tensor_model_parallel_group()
-    tp_rank, tp_size = (
-        mpu.get_tensor_model_parallel_rank(),
-        mpu.get_tensor_model_parallel_world_size(),
-    )
-    src = dist.get_global_rank(tp_group, 0)
-    bytes_read = 0
-    for needs, shard in _needs_by_chunk(chunks):
-        hf_weights: dict[str, torch.Tensor] = {}
-        if tp_rank == 0:  # the whole chunk's tensors at once (memory_efficient=False)
-            hf_weights = _read_full_tensors({n for need in needs for n in need.hf})
-            bytes_read += sum(t.nbytes for t in hf_weights.values())
-        for need in needs:
-            param = _param(need)
-            shards = None
-            if tp_rank == 0:
-                inputs = [hf_weights[n] for n in need.hf]
-                shards = [
-                    _assemble(need, inputs, _with_tp_rank(shard, r), param) for r in range(tp_size)
-                ]
-            received = torch.empty(param.shape, dtype=param.dtype)  # gloo scatters host memory
-            dist.scatter(received, shards, src=src, group=tp_group)
-            _write(need, [(0, received.shape[0], received)])
-        del hf_weights
-    return bytes_read
-
-
-def _mmap_slices(chunks: list[Any], checkpoint: str) -> int:
-    from concurrent.futures import ThreadPoolExecutor
-
-    import torch.distributed as dist
-    from safetensors import safe_open
-
-    meta = _STATE["meta"]
-    counter = _ByteCounter()
-    handles = {
-        file: safe_open(os.path.join(meta.directory, file), framework="pt", device="cpu")
-        for file in {entry.file for entry in meta.tensors.values()}
-    }
-    lazy = {
-        name: _FileSlice(handles[entry.file].get_slice(name), counter)
-        for name, entry in meta.tensors.items()
-    }
-
-    def load_one(need: Need, shard: Shard) -> None:
-        _write(need, _pieces(need, [lazy[n] for n in need.hf], shard))
-
-    work = [(need, shard) for needs, shard in _needs_by_chunk(chunks) for need in needs]
-    workers = min(8, max(1, (os.cpu_count() or 1) // dist.get_world_size()))
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        list(pool.map(load_one, *zip(*work, strict=True)))
-    return counter.total
-
-
-_BASELINES: dict[str, Callable[[list[Any], str], int]] = {
-    "every_rank_full": _every_rank_full,
-    "stage_reader": _stage_reader,
-    "mmap_slices": _mmap_slices,
-}
-
-
-# --- shared by the baselines --------------------------------------------------
-
-
-def checkpoint_files(meta: CheckpointMeta) -> list[str]:
-    """The paths of the checkpoint's weight files, in name order."""
-    return [
-        os.path.join(meta.directory, f) for f in sorted({e.file for e in meta.tensors.values()})
-    ]
-
-
-class _ByteCounter:
-    def __init__(self) -> None:
-        self.total = 0
-        self._lock = threading.Lock()
-
-    def add(self, nbytes: int) -> None:
-        with self._lock:
-            self.total += nbytes
-        _storage_read(nbytes)
-
-
-def _storage_read(nbytes: int) -> None:
-    """A baseline read ``nbytes`` of the files: charged to the process's cap (if any)."""
-    cap = _STATE.get("cap")
-    if cap is not None:
-        cap.charge(nbytes)
-
-
-class _FileSlice:
-    """A checkpoint tensor not read yet: indexing it reads only that part of the file.
-
-    Stands in for the full tensor in megastart's transforms, which only index
-    their inputs, so a transform reads exactly the slices its shard needs, as
-    AReaL's ``get_slice`` loader does.
-    """
-
-    def __init__(self, handle: Any, counter: _ByteCounter) -> None:
-        import torch
-
-        self._handle = handle
-        self._counter = counter
-        self.shape = tuple(handle.get_shape())
-        self.dtype = getattr(torch, _SAFETENSORS_DTYPES[handle.get_dtype()])
-        self.device = torch.device("cpu")
-
-    def __getitem__(self, index: Any) -> torch.Tensor:
-        tensor = self._handle[index]
-        self._counter.add(tensor.nbytes)
-        return tensor
-
-
-_SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
-
-
-def _read_full_tensors(names: set[str]) -> dict[str, torch.Tensor]:
-    """mbridge's ``SafeTensorIO.load_some_hf_weight``: grouped by file, ``get_tensor`` each."""
-    from safetensors import safe_open
-
-    meta = _STATE["meta"]
-    by_file: dict[str, list[str]] = {}
-    for name in sorted(names):
-        by_file.setdefault(meta.tensors[name].file, []).append(name)
-    out = {}
-    for file, file_names in by_file.items():
-        with safe_open(os.path.join(meta.directory, file), framework="pt", device="cpu") as f:
-            for name in file_names:
-                out[name] = f.get_tensor(name)
-                _storage_read(out[name].nbytes)
-    return out
-
-
-def _pieces(need: Need, inputs: list[Any], shard: Shard) -> Iterator[Piece]:
-    from megastart.loader.transforms import TRANSFORMS
-
-    return TRANSFORMS[need.transform].pieces(inputs, need.param.shape, shard)
-
-
-def _write(need: Need, pieces: Iterable[Piece]) -> None:
-    """Copy the transform's row blocks into the parameter (reading lazy slices now)."""
-    import torch
-
-    param = _param(need)
-    with torch.no_grad():
-        for first, stop, block in pieces:
-            param[first:stop].copy_(block if isinstance(block, torch.Tensor) else block[:])
-
-
-def _assemble(need: Need, inputs: list[Any], shard: Shard, like: torch.Tensor) -> torch.Tensor:
-    """One TP rank's whole shard as a host tensor (what mbridge scatters)."""
-    import torch
-
-    out = torch.empty(like.shape, dtype=like.dtype)
-    for first, stop, block in _pieces(need, inputs, shard):
-        out[first:stop].copy_(block)
-    return out
-
-
-def _param(need: Need) -> torch.Tensor:
-    """The parameter (or loaded buffer: the router's expert bias) a need fills."""
-    chunk = _STATE["chunks"][need.param.chunk]
-    module, _, name = need.param.local_name.rpartition(".")
-    tensor: torch.Tensor = getattr(chunk.get_submodule(module), name)
-    return tensor
-
-
-def _with_tp_rank(shard: Shard, tp_rank: int) -> Shard:
-    """Another TP rank's shard; experts too, whose expert-TP group is the TP group (ETP = TP)."""
-    from dataclasses import replace
-
-    return replace(shard, tp_rank=tp_rank, expert_tp_rank=tp_rank)
-
-
-def _needs_by_chunk(chunks: list[Any]) -> list[tuple[list[Need], Shard]]:
-    """This rank's needs per chunk, resolved exactly as megastart's loader resolves them."""
-    from megastart.loader.model import local_needs
-
-    _, _, shard, needs = local_needs(chunks, _STATE["meta"])
-    return [([n for n in needs if n.param.chunk == i], shard) for i in range(len(chunks))]

@@ -45,7 +45,7 @@ def measure_world(
     """The figures of each role (``plan_s``, ``plan_mb``, ``groups``, ``store_rps``) and the
     world's size (``demands_mb``: the all-gathered demands, as pickled).
 
-    :param demands_by_rank: every rank's demands (:meth:`~megastart.loader.plan.Need.demands`).
+    :param demands_by_rank: every rank's demands (:meth:`~megastart.loader.needs.Need.demands`).
     """
     from megastart.distributed import tree_levels
     from megastart.loader.plan import packed

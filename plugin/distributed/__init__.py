@@ -22,7 +22,13 @@ The modules: :mod:`.errors`, :mod:`.board`, :mod:`.groups`, :mod:`.agreement`,
 :mod:`.sticky`, :mod:`.control`.
 """
 
-from megastart.distributed.agreement import Outcome, agree, all_or_none, broadcast_or_raise
+from megastart.distributed.agreement import (
+    Outcome,
+    agree,
+    all_or_none,
+    broadcast_or_raise,
+    check_agreed,
+)
 from megastart.distributed.board import (
     PEER_GRACE_S,
     POLL_S,
@@ -67,6 +73,7 @@ __all__ = [
     "Stalled",
     "Sticky",
     "agree",
+    "check_agreed",
     "all_or_none",
     "broadcast_or_raise",
     "destroy_group",

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -140,9 +140,14 @@ def agree(
 
     :param fix: what to do about it, for the message.
     """
-    everyone = control.gather(dict(values), timeout_s=timeout_s)
+    check_agreed(what, control.gather(dict(values), timeout_s=timeout_s), fix=fix)
+
+
+def check_agreed(what: str, everyone: Sequence[Mapping[str, Any]], *, fix: str) -> None:
+    """:func:`agree` on values already gathered (every rank's, in rank order), for a step
+    that gathers them with something else: the same error on every rank."""
     differ = []
-    for key in values:
+    for key in everyone[0] if everyone else ():
         ranks_by_value: dict[str, list[int]] = {}
         for rank, theirs in enumerate(everyone):
             ranks_by_value.setdefault(repr(theirs.get(key)), []).append(rank)

@@ -8,7 +8,8 @@ Modules, one concern each, in the order a load uses them:
 - ``experts``: expert-parallel numbering (local <-> global expert index);
 - ``transforms``: how HF tensors become a rank's parameter slice (QKV, gate/up, vocab);
 - ``model``: reading this rank's Megatron model (parameters, config, shard) against a checkpoint;
-- ``plan``: who needs which tensor, validated, packed into buckets;
+- ``needs``: which tensors each of a rank's parameters needs, validated;
+- ``plan``: every rank's demands, shared and packed into buckets;
 - ``transport``: the loader's process groups, bucket headers and broadcasts, the read-ahead;
 - ``route``: how buckets reach each rank: the nodes, their leaders, the channels between them;
 - ``shm``: node-shared memory segments (the bucket slots of a node that receives);
@@ -17,5 +18,6 @@ Modules, one concern each, in the order a load uses them:
 - ``stream``: the stream phase on one rank (read and send, or receive), applying buckets;
 - ``progress``: the reader's progress bar;
 - ``verify``: every parameter element written once (coverage);
+- ``planning``: the planning phase across ranks (what each shares, the buckets, rank 0's lines);
 - ``api``: ``load_hf_checkpoint``, the phases, each all-or-none across ranks.
 """

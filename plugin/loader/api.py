@@ -8,9 +8,10 @@
    page cache (the reader's node) or its node's shared memory;
 4. verify: every element of every local parameter was written exactly once.
 
-Before any of them the ranks check in (a rank that never calls is named) and
-agree on their settings. A failure in any phase, on any rank, is raised on
-every rank (``all_or_none``), within ``timeout_s`` and a fraction of a second:
+Before any of them the ranks check in (a rank that never calls is named); they
+agree on their settings in the plan's gather (one collective less). A failure in
+any phase, on any rank, is raised on every rank (``all_or_none``), within
+``timeout_s`` and a fraction of a second:
 the failing rank announces it on the load's ``Board`` and every wait looks
 there. A process whose load failed refuses the next one (``Sticky``): its
 peers and groups are in an unknown state. What a failed load leaves in the
@@ -32,15 +33,14 @@ from megastart.distributed import (
     Board,
     OwnGroups,
     Sticky,
-    agree,
     all_or_none,
     broadcast_or_raise,
+    check_agreed,
     discard_control,
     discarding_control,
     kept_control,
     node_key,
 )
-from megastart.errors import SettingsError
 from megastart.loader import pagecache, roles
 from megastart.loader.bridge import Untranslatable
 from megastart.loader.checkpoint import (
@@ -49,24 +49,22 @@ from megastart.loader.checkpoint import (
     as_seen_here,
     read_metadata,
 )
-from megastart.loader.copier import Copier, copy_threads
-from megastart.loader.mappings import VALUE_HEAD, MappingTable
+from megastart.loader.copier import Copier
 from megastart.loader.model import UnsupportedArchitecture, local_needs, mapping_table
+from megastart.loader.needs import left_to_host
 from megastart.loader.node import node_board
-from megastart.loader.plan import (
-    PlanError,
-    build_plan,
-    demands_once,
-    distinct,
-    left_to_host,
-    packed,
-    receiver_sets,
-    unused_tensors,
+from megastart.loader.plan import demands_once, distinct, packed
+from megastart.loader.planning import (
+    RankDemands,
+    announce,
+    known_table,
+    plan_buckets,
+    transport_backend,
 )
-from megastart.loader.route import Nodes, open_route
-from megastart.loader.settings import Rank0LoaderSettings
+from megastart.loader.route import open_route
+from megastart.loader.settings import PLUGIN, Rank0LoaderSettings
+from megastart.loader.staging import copy_threads
 from megastart.loader.stream import Stream
-from megastart.loader.stripes import stripe
 from megastart.loader.transport import reader_groups
 from megastart.loader.verify import Coverage
 from megastart.records import LoadReport
@@ -78,28 +76,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("megastart")
 
-PLUGIN = "rank0_loader"
 
 _sticky = Sticky(PLUGIN)
 """This process's failed load, refused again by every later one."""
-
-
-class RankDemands(NamedTuple):
-    """What one rank tells the others when planning."""
-
-    node: tuple[str, int]
-    """Its node (:func:`~megastart.distributed.node_key`)."""
-    demands: bytes
-    """The HF tensors each of its parameters takes, and the parameter's dtype
-    (:func:`~megastart.loader.plan.packed`: replicas send the same bytes, unpacked once)."""
-    device: str
-    """The device type of its parameters (``"cuda"``, ``"cpu"``)."""
-    left_to_host: list[str]
-    """Its parameters the load leaves as the host initialised them (canonical names)."""
-    page_cache: bool
-    """Whether its kernel populates mappings on request (:func:`pagecache.supported`)."""
-    untranslatable: str = ""
-    """Why the host's bridge's mapping cannot be reproduced here (``""``: it can)."""
 
 
 class Streamed(NamedTuple):
@@ -217,14 +196,6 @@ def _metadata(checkpoint: str, allow_pickle: bool, bridge: Any) -> CheckpointMet
     return read_metadata(checkpoint, allow_pickle=allow_pickle)
 
 
-def _known_table(meta: CheckpointMeta) -> MappingTable:
-    """The built-in table of the checkpoint's architecture (its ignored tensors), or none."""
-    try:
-        return mapping_table(meta)
-    except UnsupportedArchitecture:
-        return MappingTable(meta.architectures, ())
-
-
 def reset_state() -> None:
     """Forget a failed load: only for a process that rebuilt its process groups (tests, demos)."""
     _sticky.reset()
@@ -245,14 +216,8 @@ def _load(
 
     rank = dist.get_rank()
     control = kept_control(timeout_s=own.timeout_s)
-    agree(
-        PLUGIN,
-        {f: v for f, v in dataclasses.asdict(settings).items() if f != "progress"},
-        control=control,
-        timeout_s=own.timeout_s,
-        fix="set the MEGASTART_RANK0_LOADER_* variables (or the megastart.rank0_loader config) "
-        "the same on every rank",
-    )
+    # agreed with the demands' gather below: one collective less before any bulk transfer
+    agreed = {f: v for f, v in dataclasses.asdict(settings).items() if f != "progress"}
     phase = partial(all_or_none, timeout_s=settings.timeout_s, control=control, board=board)
 
     meta: CheckpointMeta | None = broadcast_or_raise(
@@ -278,20 +243,26 @@ def _load(
                 chunks, meta, table, value_model=value_model, bridge=bridge
             )
         except Untranslatable as e:  # the bridge loads, on every rank: agreed below
-            planned.share(RankDemands(node_key(), b"", "", [], False, str(e)))
+            planned.share(RankDemands(node_key(), b"", "", [], False, agreed, str(e)))
         else:
             device = tensors[next(iter(tensors))].device if tensors else _cpu()
             demands = packed([demand for need in needs for demand in need.demands()], meta)
             left = [p.name for p in left_to_host(params, needs)]
             planned.share(
-                RankDemands(node_key(), demands, device.type, left, pagecache.supported())
+                RankDemands(node_key(), demands, device.type, left, pagecache.supported(), agreed)
             )
     by_rank: list[RankDemands] = planned.shared
+    check_agreed(
+        PLUGIN,
+        [r.settings for r in by_rank],
+        fix="set the MEGASTART_RANK0_LOADER_* variables (or the megastart.rank0_loader config) "
+        "the same on every rank",
+    )
     untranslatable = sorted({r.untranslatable for r in by_rank} - {""})
     if untranslatable:
         raise Untranslatable(untranslatable[0])
     if table is None:  # the bridge decided: what it leaves unread is only named, not refused
-        table = _known_table(meta)
+        table = known_table(meta)
     demands = demands_once([r.demands for r in by_rank], meta)
     nodes = [r.node for r in by_rank]
     groups = reader_groups(settings.reader, nodes)
@@ -299,58 +270,24 @@ def _load(
     striped = settings.reader in ("striped", "auto") and len(set(nodes)) > 1
 
     with phase(f"{PLUGIN}: planning the buckets"):
-        unused = unused_tensors(demands, meta, table, value_model=value_model)
-        if unused and settings.strict and bridge is None:
-            raise PlanError(_unused_message(unused, checkpoint, strict=True))
-        plan = build_plan(
-            [demands[r] for r in group],
+        buckets = plan_buckets(
+            demands,
             meta,
-            bucket_bytes=int(settings.bucket_mb * 2**20),
-            to_reader=not striped,
+            table,
+            settings,
+            groups,
+            group,
+            nodes,
+            striped=striped,
+            checkpoint=checkpoint,
+            strict=settings.strict and bridge is None,
+            value_model=value_model,
         )
-        if striped:
-            plan = stripe(plan, Nodes.of([nodes[r] for r in group]))
-        sets = [  # another node's reader group (reader=node) has a plan this rank does not make
-            plan.receiver_sets
-            if members is group
-            else receiver_sets([demands[r] for r in members], to_reader=not striped)
-            for members in groups
-        ]
-        readers = (
-            tuple(sorted({group[b.reader] for b in plan.buckets}))
-            if striped
-            else tuple(g[0] for g in groups)
-        )
-        backend = _backend(settings.transport, {r.device for r in by_rank})
-    if unused and rank == 0:
-        log.warning("megastart: %s", _unused_message(unused, checkpoint, strict=False))
+        backend = transport_backend(settings.transport, {r.device for r in by_rank})
+    plan, sets, readers = buckets.plan, buckets.sets, buckets.readers
     left_by_all = tuple(sorted({name for r in by_rank for name in r.left_to_host}))
-    heads = [n for n in left_by_all if value_model and n.startswith(VALUE_HEAD)]
-    if heads and rank == 0:
-        log.info(
-            "megastart: value head %s keeps the host's initialisation: %r has no tensor of "
-            "its shape for it (a weight is looked for in %s; a bias never is)",
-            heads,
-            checkpoint,
-            ", ".join(table.value_head_sources),
-        )
-    if len(heads) < len(left_by_all) and rank == 0:  # only the bridge's table leaves others
-        log.info(
-            "megastart: %s keep the host's initialisation: the host's Megatron-Bridge does not "
-            "load them either (adapters, parameters none of its mappings names, an output "
-            "layer tied to the embedding)",
-            [n for n in left_by_all if n not in heads],
-        )
-
-    if striped and rank == 0:
-        log.info(
-            "megastart: %s striped over %d readers (%s), %.2f GB in %d buckets",
-            PLUGIN,
-            len(readers),
-            _ranks_text(readers),
-            plan.nbytes / 1e9,
-            len(plan.buckets),
-        )
+    if rank == 0:
+        announce(buckets, left_by_all, checkpoint, table, striped=striped, value_model=value_model)
     cached = settings.reader_node == "page_cache" and meta.format == "safetensors"
     coverage = Coverage()
     with (
@@ -392,35 +329,6 @@ def _load(
         tensors=len({name for d in distinct(demands) for names, _ in d for name in names}),
         left_to_host=left_by_all,
     )
-
-
-def _ranks_text(ranks: Sequence[int]) -> str:
-    """``ranks`` for a log line: all of a few, the first and last of many."""
-    shown = ", ".join(map(str, ranks[:4]))
-    return f"ranks {shown}" + (f", ... {ranks[-1]}" if len(ranks) > 4 else "")
-
-
-def _backend(transport: str, device_types: set[str]) -> str:
-    if transport == "auto":
-        return "nccl" if device_types == {"cuda"} else "gloo"
-    if transport == "nccl" and device_types != {"cuda"}:
-        raise SettingsError(
-            f"rank0_loader.transport=nccl needs CUDA parameters on every rank, found {sorted(device_types)}; "
-            "use transport=auto or gloo"
-        )
-    return transport
-
-
-def _unused_message(unused: list[str], checkpoint: str, *, strict: bool) -> str:
-    shown = ", ".join(repr(n) for n in unused[:5]) + (
-        f" (and {len(unused) - 5} more)" if len(unused) > 5 else ""
-    )
-    if strict:
-        return (
-            f"checkpoint {checkpoint!r} holds {len(unused)} tensor(s) no Megatron parameter uses: {shown}; "
-            "the model built is missing layers the checkpoint has, or set rank0_loader.strict=false"
-        )
-    return f"rank0_loader: {len(unused)} tensor(s) of {checkpoint!r} feed no parameter and were not read: {shown}"
 
 
 def _default_settings() -> Rank0LoaderSettings:

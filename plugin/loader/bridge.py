@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from megastart.errors import PlanError
 from megastart.loader.archs.table import MappingTable, Rule
-from megastart.loader.plan import PlanError
 
 TRANSLATED = {
     "AutoMapping": "",  # the parallelism of the module: column, row or replicated

@@ -1,44 +1,43 @@
-"""How a rank copies its slices into CUDA parameters: through page-locked chunks, filled on a few threads.
+"""How a rank copies its slices into its parameters; into one GPU near its link.
 
-Into CUDA parameters, a copy from pageable memory (a mapping of the files, or
-a strided row-parallel slice of any buffer) runs at the driver's staging rate,
-several times below what the same bytes reach from page-locked memory
-(docs/performance.md has the figures). So each piece goes through :data:`CHUNKS` page-locked chunks of :data:`CHUNK_BYTES`
-in turn, each filled on a thread of its own (:func:`copy_threads`: a rank
-runs with ``torch.set_num_threads(1)``, torchrun's default, so one thread
-would fill at a single core's rate) while the GPU copies those filled before;
-the dtype conversion, if any, happens in the fill. A contiguous piece
-the caller knows to be page-locked already (the loader's buffers are, with CUDA
-parameters) goes straight; asking CUDA instead (``Tensor.is_pinned``) costs a
-round trip to the driver per piece.
+Into CPU parameters, a plain copy. Into CUDA parameters, one of three ways per
+piece, the fastest that applies:
+
+* from a page-locked buffer of the loader (a contiguous piece): straight, a DMA;
+* from the load's mappings of the files, where the piece is contiguous, in the
+  parameter's dtype, and its blocks are registered with CUDA already
+  (:mod:`megastart.loader.registration`, ``rank0_loader.cuda_copy=registered``):
+  straight, a DMA out of the page cache, no CPU copy;
+* any other (a strided row-parallel slice, a dtype conversion, a block not
+  registered yet or refused): through the rank's staging ring, filled on
+  :func:`~megastart.loader.staging.copy_threads` threads
+  (:mod:`megastart.loader.staging`).
+
+A contiguous piece the caller knows to be page-locked goes straight; asking CUDA
+instead (``Tensor.is_pinned``) costs a round trip to the driver per piece. A
+refusal to page-lock the staging ring (the locked-memory limit) is one log line:
+the copies then run from pageable memory, slower, and the load goes on.
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
-import os
-from collections import deque
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_all
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from megastart.loader import registration
+from megastart.loader.staging import CHUNK_BYTES, Fence, Ring, chunk_count
 
 if TYPE_CHECKING:
     import torch
 
-CHUNK_BYTES = 8 << 20
-"""Size of one page-locked chunk."""
-CHUNKS = 4
-"""Page-locked chunks per rank (32 MiB in all): up to this many filled at once."""
+    from megastart.loader.pagecache import FileMappings
+    from megastart.loader.plan import Plan, Slot
 
-
-def copy_threads(ranks_on_node: int) -> int:
-    """Threads filling chunks for each of ``ranks_on_node`` ranks: the cores this process
-    may use, shared among the node's ranks, at most one per chunk."""
-    cores = len(os.sched_getaffinity(0))
-    return max(1, min(CHUNKS, cores // max(1, ranks_on_node)))
+log = logging.getLogger("megastart")
 
 
 def page_lock(tensor: torch.Tensor, what: str) -> None:
@@ -63,28 +62,29 @@ def page_unlock(tensor: torch.Tensor) -> None:
 
 
 class Copier:
-    """Copies host pieces into one rank's parameters (into CPU ones: a plain copy).
+    """Copies host pieces into one rank's parameters.
 
     Use :meth:`batch` around the copies of a bucket: it returns once each of
-    them has read its source, so the source may be unmapped or refilled then.
-    Copies into CUDA may still be in flight on the current stream after it;
-    ``torch.cuda.current_stream().synchronize()`` waits for them.
+    them has read its source, so a buffer may be refilled then (the load's file
+    mappings stay until the copier closes). Copies into CUDA may still be in
+    flight after it; :meth:`close` waits for them.
     """
 
     def __init__(self, device: torch.device, threads: int) -> None:
+        self._device = device
         cuda = device.type == "cuda"
         self._pool = ThreadPoolExecutor(threads, "megastart-copy") if cuda and threads > 1 else None
         self._direct = False
-        """A copy of this batch reads its page-locked source straight from the GPU."""
-        self._chunks: list[torch.Tensor] = []
-        self._filling: deque[_Fill] = deque()
-        """Chunks being filled, in turn, each to be copied to the GPU once it is full."""
-        self._copied: list[Any] = [None] * CHUNKS
-        """Per chunk, the CUDA event of the last copy out of it (``None``: none yet)."""
-        self._turn = 0
+        """A copy of this batch reads a page-locked buffer straight from the GPU."""
+        self._ring: Ring | None = None
+        self._locked: list[torch.Tensor] = []
+        self._driver: registration.Driver | None = None
+        self._registrations: registration.Registrations | None = None
+        self.registered_bytes = 0
+        """Bytes copied straight out of registered mappings."""
         if cuda:
             try:
-                self._lock_chunks()
+                self._lock_ring(chunk_count(threads))
             except BaseException:
                 self.close()
                 raise
@@ -95,6 +95,21 @@ class Copier:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def register_ahead(
+        self, mappings: FileMappings, plan: Plan, mine: Callable[[Any], list[Slot]]
+    ) -> None:
+        """Start registering the blocks of ``mappings`` this rank copies from (CUDA only)."""
+        from megastart.loader.pagecache import resident
+
+        if self._device.type != "cuda" or self._registrations is not None:
+            return
+        blocks = registration.blocks_in_order(mappings, plan, mine)
+        self._registrations = registration.Registrations(
+            self._driver or registration.cuda_driver(self._device),
+            blocks,
+            lambda block: resident(block.mapping, block.offset, block.nbytes),
+        )
+
     @contextmanager
     def batch(self) -> Iterator[None]:
         """Copies made inside have read their sources when it ends (a thread's error is raised
@@ -103,10 +118,11 @@ class Copier:
 
         try:
             yield
-            while self._filling:
-                self._send_oldest()
+            if self._ring is not None:
+                self._ring.flush()
         except BaseException:
-            self._abandon()
+            if self._ring is not None:
+                self._ring.abandon()
             raise
         if self._direct:
             torch.cuda.current_stream().synchronize()
@@ -120,79 +136,116 @@ class Copier:
         elif page_locked and source.is_contiguous():
             target.copy_(source, non_blocking=True)
             self._direct = True
-        else:
-            self._staged(target, source)
+        elif self._from_registered(target, source):
+            return
+        elif self._ring is None or not self._ring.put(target, source):
+            target.copy_(source)  # a row larger than a chunk: from pageable memory
 
     def close(self) -> None:
-        """Wait for every copy, stop the threads, free the page-locked chunks."""
+        """Wait for every copy, stop the threads, unregister what was registered (on every
+        way out) and free the staging ring."""
         import torch
 
-        self._abandon()
-        if self._pool is not None:
-            self._pool.shutdown()
-        if self._chunks:
-            torch.cuda.current_stream().synchronize()
-            for chunk in self._chunks:
-                page_unlock(chunk)
-            self._chunks.clear()  # each is unmapped with its last view
+        try:
+            if self._ring is not None:
+                self._ring.abandon()
+            if self._pool is not None:
+                self._pool.shutdown()
+            if self._device.type == "cuda":
+                torch.cuda.current_stream().synchronize()
+        finally:
+            try:
+                if self._registrations is not None:
+                    self._registrations.close()
+                    self._log_routes(self._registrations)
+            finally:
+                for chunk in self._locked:
+                    assert self._driver is not None  # it locked them
+                    self._driver.unregister(chunk.data_ptr())
+                self._locked.clear()
+                self._ring = None  # each chunk is unmapped with its last view
 
-    def _lock_chunks(self) -> None:
-        import torch
-
-        for _ in range(CHUNKS):  # page-aligned memory of its own, unmapped with its last view
-            chunk = torch.frombuffer(mmap.mmap(-1, CHUNK_BYTES), dtype=torch.uint8)
-            page_lock(chunk, "a staging chunk of the loader")
-            self._chunks.append(chunk)
-
-    def _staged(self, target: torch.Tensor, source: torch.Tensor) -> None:
-        """Copy through the page-locked chunks, a chunk of rows at a time."""
-        per_chunk = (
-            CHUNK_BYTES // (source[0].numel() * target.element_size()) if source.dim() else 0
+    def _log_routes(self, registrations: registration.Registrations) -> None:
+        """One line: how this rank's bytes reached the GPU, and what registering cost."""
+        staged = self._ring.staged_bytes if self._ring is not None else 0
+        log.info(
+            "megastart: rank0_loader copied %.2f GB straight out of the registered page cache "
+            "(%.2f GB registered in %.3f s on its own thread, alongside the copies) and %.2f GB "
+            "through page-locked staging",
+            self.registered_bytes / 1e9,
+            registrations.nbytes / 1e9,
+            registrations.seconds,
+            staged / 1e9,
         )
-        if per_chunk == 0:  # a scalar, or a row larger than a chunk: from pageable memory
-            target.copy_(source)
-            return
-        for first in range(0, len(source), per_chunk):
-            block = source[first : first + per_chunk]
-            if len(self._filling) == CHUNKS:
-                self._send_oldest()
-            turn = self._turn
-            self._turn = (turn + 1) % CHUNKS
-            if self._copied[turn] is not None:
-                self._copied[turn].synchronize()
-            nbytes = block.numel() * target.element_size()
-            staged = self._chunks[turn][:nbytes].view(target.dtype).view(block.shape)
-            filled = self._pool.submit(staged.copy_, block) if self._pool else None
-            if filled is None:
-                staged.copy_(block)
-            self._filling.append(_Fill(filled, staged, target[first : first + len(block)], turn))
 
-    def _send_oldest(self) -> None:
-        """Wait for the oldest chunk to be full; start its copy to the GPU."""
+    def _from_registered(self, target: torch.Tensor, source: torch.Tensor) -> bool:
+        """Copy straight out of a registered mapping, if ``source`` lies in registered blocks
+        and needs no conversion."""
         import torch
 
-        fill = self._filling.popleft()
-        if fill.filled is not None:
-            fill.filled.result()
-        fill.target.copy_(fill.chunk, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        self._copied[fill.turn] = copied
+        registrations = self._registrations
+        if (
+            registrations is None
+            or source.dtype != target.dtype
+            or not source.is_contiguous()
+            or not target.is_contiguous()
+        ):
+            return False
+        nbytes = source.numel() * source.element_size()
+        spans = registrations.covering(source.data_ptr(), nbytes)
+        if spans is None:
+            return False
+        src, dst = source.reshape(-1).view(torch.uint8), target.reshape(-1).view(torch.uint8)
+        for offset, length in spans:
+            dst[offset : offset + length].copy_(src[offset : offset + length], non_blocking=True)
+        self.registered_bytes += nbytes
+        return True
 
-    def _abandon(self) -> None:
-        """Drop the chunks not sent to the GPU (the batch failed), once their fills have
-        ended: then no thread reads a source any more. Their errors are the batch's echo."""
-        wait_all([fill.filled for fill in self._filling if fill.filled is not None])
-        self._filling.clear()
+    def _lock_ring(self, chunks: int) -> None:
+        """The staging ring, page-locked; pageable (one log line) where CUDA refuses."""
+        import torch
+
+        # page-aligned memory of its own, unmapped with its last view
+        memory = [
+            torch.frombuffer(mmap.mmap(-1, CHUNK_BYTES), dtype=torch.uint8) for _ in range(chunks)
+        ]
+        self._driver = driver = registration.cuda_driver(self._device)
+        # On a thread of its own: a refusal sets that thread's last CUDA error, not this one's.
+        with ThreadPoolExecutor(1, "megastart-page-lock") as thread:
+            refused = thread.submit(_page_lock_all, driver, memory, self._locked).result()
+        if refused:
+            log.warning(
+                "megastart: rank0_loader stages its copies into CUDA in pageable memory "
+                "(slower): %s (the locked-memory limit, ulimit -l)",
+                refused,
+            )
+        self._ring = Ring(memory, self._pool, _send_to_gpu)
 
 
-@dataclass(frozen=True, slots=True)
-class _Fill:
-    """A page-locked chunk being filled with a block of a piece, for ``target``."""
+def _page_lock_all(
+    driver: registration.Driver, memory: list[torch.Tensor], locked: list[torch.Tensor]
+) -> str:
+    """Page-lock every chunk of ``memory`` (appending each to ``locked``), or none: the
+    refusal (``""``: none)."""
+    for chunk in memory:
+        error = driver.register(chunk.data_ptr(), chunk.numel(), registration.REGISTER_PORTABLE)
+        if error:
+            for done in locked:
+                driver.unregister(done.data_ptr())
+            locked.clear()
+            return (
+                f"cudaHostRegister of a {chunk.numel()}-byte staging chunk failed (error {error})"
+            )
+        locked.append(chunk)
+    return ""
 
-    filled: Future[Any] | None
-    """The fill on a thread (``None``: filled already)."""
-    chunk: torch.Tensor
-    target: torch.Tensor
-    turn: int
-    """Which chunk."""
+
+def _send_to_gpu(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Fence:
+    """Start the copies of a full chunk into the GPU; the event after them."""
+    import torch
+
+    for target, staged in pairs:
+        target.copy_(staged, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return copied

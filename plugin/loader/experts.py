@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from megastart.loader.plan import PlanError
+from megastart.errors import PlanError
 
 _LOCAL_EXPERT = re.compile(r"(?<=\.mlp\.experts\.local_experts\.)(\d+)(?=\.)")
 """Sequential MLP: ``...mlp.experts.local_experts.{i}.linear_fc1.weight``."""

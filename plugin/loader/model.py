@@ -16,10 +16,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from megastart.errors import PlanError
 from megastart.loader.checkpoint import CheckpointMeta
 from megastart.loader.experts import check_expert_parallel, first_local_expert, global_expert_name
 from megastart.loader.mappings import MappingTable, known_architectures, mapping_for
-from megastart.loader.plan import Need, ParamInfo, PlanError, check_config, resolve_needs
+from megastart.loader.needs import Need, ParamInfo, check_config, resolve_needs
 from megastart.loader.transforms import Shard
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ def local_needs(
     local name)``, its tensor-parallel shard, and one :class:`Need` per
     parameter it fills: the HF tensors, the transform and the slice (a value
     model's head may have none, nor a parameter the bridge leaves alone:
-    :func:`~megastart.loader.plan.left_to_host`). Raises :class:`PlanError` (this
+    :func:`~megastart.loader.needs.left_to_host`). Raises :class:`PlanError` (this
     rank only) when the checkpoint's config or shapes do not fit the model built.
     The benchmark's baselines use it too, so every strategy writes exactly what the
     loader writes.

@@ -13,8 +13,9 @@ The reader remains the only rank that reads the storage: before it announces
 a bucket it makes the bucket's pages resident (``MADV_POPULATE_READ``, on
 several threads), so the node's ranks find them cached, and a read error is
 the reader's, an exception it announces to every rank, not a ``SIGBUS`` in one
-of them. Mappings cover one bucket and are dropped after it, so a rank maps a
-bucket's pages only while it copies them.
+of them. Each rank maps each file once for the whole load (:class:`FileMappings`:
+a mapping holds no file descriptor, so ``ulimit -n`` bounds nothing here) and
+copies what is resident at once; only the ranges not resident wait for the reader.
 
 How far the reader has read is a word of node-shared memory
 (:class:`Frontier`), which the node's ranks poll: a gloo header per bucket
@@ -28,6 +29,7 @@ import ctypes
 import functools
 import mmap
 import os
+import threading
 import weakref
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Executor
@@ -37,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from megastart.distributed import Board, CollectiveError, polled_locally
 from megastart.loader.checkpoint import (
     ITEMSIZE,
+    SCALE_SUFFIX,
     CheckpointMeta,
     TensorEntry,
     TensorReader,
@@ -51,6 +54,7 @@ if TYPE_CHECKING:
 
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 """``madvise`` advice that faults a range in for reading and waits (Linux 5.14 and later)."""
+_DONTNEED = mmap.MADV_DONTNEED
 
 
 @functools.cache
@@ -66,32 +70,52 @@ def supported() -> bool:
     return True
 
 
+class FileMappings:
+    """Each of the checkpoint's files mapped whole and read-only, once per rank for the load
+    (on first use, from any thread), unmapped when the last view of it goes."""
+
+    def __init__(self, meta: CheckpointMeta) -> None:
+        self.meta = meta
+        self._maps: dict[str, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def __getitem__(self, file: str) -> torch.Tensor:
+        """The file's mapping, as bytes."""
+        with self._lock:
+            data = self._maps.get(file)
+            if data is None:
+                meta = self.meta
+                fd = open_shard(meta.directory, file, meta.shards[file])
+                try:
+                    data = self._maps[file] = map_file(fd, 0, os.fstat(fd).st_size)
+                finally:
+                    os.close(fd)
+            return data
+
+    def close(self) -> None:
+        """Drop this object's references (a mapping goes once no view of it is left)."""
+        with self._lock:
+            self._maps.clear()
+
+
 class Window:
-    """Slots of one bucket as read-only views of the checkpoint's files (one mapping per file)."""
+    """Slots of one bucket as read-only views of the checkpoint's files (the load's mappings)."""
 
     page_locked = False
     """The files' pages are pageable memory."""
 
-    def __init__(self, meta: CheckpointMeta, slots: Iterable[Slot]) -> None:
-
+    def __init__(self, mappings: FileMappings, slots: Iterable[Slot]) -> None:
+        meta = mappings.meta
         self.entries = {
             slot.name: meta.tensors[slot.name].row_range(slot.rows.start, slot.rows.stop)
             for slot in slots
         }
-        self._maps: dict[str, tuple[int, torch.Tensor]] = {}
+        self._maps = {
+            entry.file: (0, mappings[entry.file])
+            for entry in self.entries.values()
+            if entry.end > entry.start
+        }
         """Per file: the offset its mapping starts at, and the mapping as bytes."""
-        ranges: dict[str, tuple[int, int]] = {}
-        for entry in self.entries.values():
-            if entry.end > entry.start:
-                low, high = ranges.get(entry.file, (entry.start, entry.end))
-                ranges[entry.file] = min(low, entry.start), max(high, entry.end)
-        for file, (low, high) in ranges.items():
-            start = low - low % mmap.ALLOCATIONGRANULARITY
-            fd = open_shard(meta.directory, file, meta.shards[file])
-            try:
-                self._maps[file] = start, map_file(fd, start, high - start)
-            finally:
-                os.close(fd)
 
     def view(self, slot: Slot) -> torch.Tensor:
         """The slot's rows as the file holds them (the checkpoint's dtype), shaped as the slot."""
@@ -110,7 +134,32 @@ class Window:
     def resident(self) -> bool:
         """Whether every slot's pages are in the page cache already (a warm load): then a rank
         may copy them without waiting for the reader, who reads nothing for them."""
-        return all(_resident(data, first, end - first) for _, data, first, end in self._pages())
+        return all(resident(data, first, end - first) for _, data, first, end in self._pages())
+
+    def release(self) -> None:
+        """Drop the slots' pages from this process's page tables (``MADV_DONTNEED``), keeping
+        the mapping and the page cache: a rank's memory then counts a bucket's pages only
+        while it copies them, not every page it touched in the load. Best effort: a range the
+        kernel will not drop (a locked one) stays mapped, which costs memory accounting only."""
+        for _, data, first, end in self._pages():
+            length = -(-(end - first) // mmap.PAGESIZE) * mmap.PAGESIZE
+            _libc().madvise(
+                ctypes.c_void_p(data.data_ptr() + first), ctypes.c_size_t(length), _DONTNEED
+            )
+
+    def resident_slots(self, slots: Iterable[Slot]) -> tuple[list[Slot], list[Slot]]:
+        """``slots`` split into those whose pages are all in the page cache and the others."""
+        here: list[Slot] = []
+        not_yet: list[Slot] = []
+        pages = {entry.name: (data, first, end) for entry, data, first, end in self._pages()}
+        for slot in slots:
+            data, first, end = pages.get(slot.name, (None, 0, 0))
+            cached = data is None or resident(data, first, end - first)
+            # an FP8 weight is dequantised with its scales: it waits with them
+            if slot.name + SCALE_SUFFIX in {s.name for s in not_yet}:
+                cached = False
+            (here if cached else not_yet).append(slot)
+        return here, not_yet
 
     def populate(self, reader: TensorReader, pool: Executor, part_bytes: int) -> None:
         """Make every slot's pages resident, parts of ``part_bytes`` on ``pool``'s threads at once,
@@ -139,12 +188,15 @@ def map_file(fd: int, offset: int, length: int) -> torch.Tensor:
     """``length`` bytes of the file open as ``fd`` from ``offset`` (a multiple of the page size)
     on, mapped as a ``uint8`` tensor that holds no file descriptor (``mmap.mmap`` keeps a
     duplicate per mapping: a load's mappings would count against ``ulimit -n``); unmapped
-    when the tensor's memory is freed. Private and writable, so torch takes it without a
-    copy; nothing writes to it."""
+    when the tensor's memory is freed. Read-only: a write would fault rather than copy a
+    page out of the page cache, and CUDA may register it read-only
+    (:mod:`megastart.loader.registration`)."""
     import torch
 
     libc = _libc()
-    address = libc.mmap(None, length, _PROT_READ_WRITE, _MAP_PRIVATE, fd, offset)
+    if length == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    address = libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset)
     if address == _MAP_FAILED:
         errno = ctypes.get_errno()
         raise OSError(errno, f"mapping {length} bytes of a shard failed: {os.strerror(errno)}")
@@ -154,8 +206,6 @@ def map_file(fd: int, offset: int, length: int) -> torch.Tensor:
     return torch.frombuffer(pages, dtype=torch.uint8)
 
 
-_PROT_READ_WRITE = mmap.PROT_READ | mmap.PROT_WRITE
-_MAP_PRIVATE = mmap.MAP_PRIVATE
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -185,7 +235,7 @@ def _read_part(
 def populate(entry: TensorEntry, data: torch.Tensor, offset: int, length: int) -> None:
     """Make ``length`` bytes of ``data`` (a mapping of ``entry``'s file) from ``offset`` on resident."""
     # Through ctypes, which releases the GIL (mmap.madvise holds it): the parts are read in parallel.
-    if _resident(data, offset, length):
+    if resident(data, offset, length):
         return  # cached already (a warm start): populating would only fill this process's page tables
     address = ctypes.c_void_p(data.data_ptr() + offset)
     while _libc().madvise(address, ctypes.c_size_t(length), MADV_POPULATE_READ):
@@ -198,7 +248,7 @@ def populate(entry: TensorEntry, data: torch.Tensor, offset: int, length: int) -
             )
 
 
-def _resident(data: torch.Tensor, offset: int, length: int) -> bool:
+def resident(data: torch.Tensor, offset: int, length: int) -> bool:
     """Whether ``length`` bytes of the mapping ``data`` from ``offset`` (page-aligned) are all in
     the page cache (``mincore``: asks the kernel, reads nothing)."""
     address = ctypes.c_void_p(data.data_ptr() + offset)

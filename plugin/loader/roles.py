@@ -53,6 +53,8 @@ def run(stream: Stream, settings: Rank0LoaderSettings) -> tuple[int, int]:
     """Stream every bucket this rank takes part in, in its role; returns (bytes read, bytes
     sent between nodes)."""
     route = stream.route
+    if route.page_cache and settings.cuda_copy == "registered":
+        stream.copier.register_ahead(stream.mappings, stream.plan, stream.mine)
     if route.striped and route.leads:
         return read_share(stream, settings)
     if route.position == 0:
@@ -91,7 +93,9 @@ def read(stream: Stream, settings: Rank0LoaderSettings) -> tuple[int, int]:
                 used.done = stream.announce(index, buffer, bucket.nbytes)
                 used.release = partial(prefetch.release, buffer, copied)
                 stream.apply(index, source)
-                del source  # a bucket's mapping goes once it is applied
+                if isinstance(source, Window):
+                    source.release()
+                del source
                 progress.advance(bucket.nbytes)
                 in_use.append(used)
                 if len(in_use) == IN_FLIGHT:
@@ -120,10 +124,10 @@ def _fetch(
     bucket = stream.plan.buckets[index]
     source: Source
     if stream.route.page_cache and len(stream.route.leaders_for(bucket.positions)) == 1:
-        Window(reader.meta, bucket.slots).populate(reader, pool, READ_PART_BYTES)
-        # Mapped again, unpopulated, for the reader's own slices: it holds no memory until
-        # the reader copies them, however far ahead this thread reads.
-        source = Window(reader.meta, stream.mine(bucket))
+        populated = Window(stream.mappings, bucket.slots)
+        populated.populate(reader, pool, READ_PART_BYTES)
+        populated.release()  # in the page cache now, however far ahead this thread reads
+        source = Window(stream.mappings, stream.mine(bucket))
     else:
         source = _filled(stream, reader, buffers, index, buffer, pool)
     if frontier is not None:
@@ -322,19 +326,24 @@ def take(stream: Stream) -> tuple[int, int]:
 
 
 def take_cached(stream: Stream) -> tuple[int, int]:
-    """A rank of the reader's node that reads no files: copy this rank's slices out of its own
-    mapping of the files, at once where their pages are in the page cache already (a warm
-    load: every rank of the node copies in parallel, as per-rank slices would), else once
-    the reader has read the bucket into it."""
+    """A rank of the reader's node that reads no files: copy this rank's slices out of the
+    load's mappings of the files, at once where their pages are in the page cache already
+    (a warm load: every rank of the node copies in parallel, as per-rank slices would), and
+    the others once the reader has read their bucket into it."""
     with stream.frontier() as frontier:
         assert frontier is not None
         for index, bucket in enumerate(stream.plan.buckets):
             mine = stream.mine(bucket)
-            if mine:
-                window = Window(stream.meta, mine)
-                if not window.resident():
-                    frontier.wait(index + 1, stream.route.board)
-                stream.apply(index, window)
+            if not mine:
+                continue
+            window = Window(stream.mappings, mine)
+            cached, not_yet = window.resident_slots(mine)
+            if cached:
+                stream.apply(index, window, cached)
+            if not_yet:
+                frontier.wait(index + 1, stream.route.board)
+                stream.apply(index, window, not_yet)
+            window.release()
     return 0, 0
 
 

@@ -6,6 +6,9 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+PLUGIN = "rank0_loader"
+"""The plugin's name: its settings section, its board, its log lines."""
+
 BUCKET_MB_RANGE = (0.01, 1024.0)
 """The ``bucket_mb`` values accepted (MiB), see :attr:`Rank0LoaderSettings.bucket_mb`."""
 
@@ -36,11 +39,20 @@ class Rank0LoaderSettings:
     receive into shared memory; ``.bin`` checkpoints, and kernels without
     ``MADV_POPULATE_READ`` (before Linux 5.14), always use shared memory."""
 
+    cuda_copy: Literal["registered", "staged"] = "registered"
+    """How a rank of the reader's node copies from the page cache into CUDA parameters
+    (:mod:`megastart.loader.copier`): ``registered``, straight out of the page cache, its
+    blocks registered with CUDA (read-only) on a thread of their own while the copies run,
+    and what is not registered yet through page-locked staging; ``staged``, all through
+    page-locked staging chunks filled on the rank's share of the node's cores. A driver
+    that refuses registration gets ``staged``, with one log line."""
+
     bucket_mb: float = 32.0
     """Tensors are streamed in buckets of at most this many MiB (a tensor larger than
     that travels as row blocks in several buckets). Transient memory is about three
     buckets of shared memory per node, whatever the largest tensor, and with CUDA
-    parameters 32 MiB of page-locked staging per rank (:mod:`megastart.loader.copier`). 32: on
+    parameters two 4 MiB page-locked staging chunks per copy thread of each rank, at most
+    64 MiB (:mod:`megastart.loader.staging`). 32: on
     ``megastart bench loader`` (1 GB Qwen2, TP2 x PP2, gloo) it loaded faster than
     64 or 256 when buckets travelled by broadcast (smaller messages let the read of
     the next bucket and the broadcast tree's hops overlap sooner); three 32 MiB

@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 from megastart.loader.checkpoint import CheckpointMeta
 from megastart.loader.copier import Copier
 from megastart.loader.dequantise import BlockScaled
+from megastart.loader.needs import Need
 from megastart.loader.node import node_segment
-from megastart.loader.pagecache import Frontier
-from megastart.loader.plan import Bucket, Need, Plan, Slot
+from megastart.loader.pagecache import FileMappings, Frontier
+from megastart.loader.plan import Bucket, Plan, Slot
 from megastart.loader.route import Route
 from megastart.loader.shm import Segment
 from megastart.loader.transforms import TRANSFORMS, Shard
@@ -74,6 +75,8 @@ class Stream:
         """The buckets announced inside this rank's node, in order."""
         self._announced = 0
         """How many of :attr:`local` the leader has announced."""
+        self.mappings = FileMappings(meta)
+        """The checkpoint's files, mapped once for the load (the page-cache route)."""
 
     def mine(self, bucket: Bucket) -> list[Slot]:
         """The slots of ``bucket`` this rank copies from."""
@@ -185,15 +188,15 @@ class Stream:
         if self.route.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
 
-    def apply(self, index: int, source: Source) -> None:
-        """Copy this rank's slices of bucket ``index`` from ``source`` into its parameters
-        (converting to their dtype); returns once the copies have read ``source`` (the buffer
-        may be refilled then; copies into CUDA may still be in flight until the copier
-        closes)."""
+    def apply(self, index: int, source: Source, slots: list[Slot] | None = None) -> None:
+        """Copy this rank's slices of bucket ``index`` (of ``slots`` of it: by default all)
+        from ``source`` into its parameters (converting to their dtype); returns once the
+        copies have read ``source`` (the buffer may be refilled then; copies into CUDA may
+        still be in flight until the copier closes)."""
         import torch
 
         with torch.no_grad(), self.copier.batch():
-            for slot in self.plan.buckets[index].slots:
+            for slot in self.plan.buckets[index].slots if slots is None else slots:
                 for need, input_index in self.consumers.get(slot.name, ()):
                     if input_index >= len(need.hf):  # an FP8 weight's scales: kept for it
                         self._keep_scale(slot, source.view(slot))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from megastart.errors import PlanError
-from megastart.loader.plan import ParamInfo
+from megastart.loader.needs import ParamInfo
 
 
 class CoverageError(PlanError):

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from support.loader_ranks import parameter_shapes
 
-from megastart.bench.plan import Layout, hf_tensors, rank_parameters
+from megastart.bench.synthetic import Layout, hf_tensors, rank_parameters
 from megastart.cli import main
 from megastart.distributed import POLL_S
 from megastart.distributed.board import LONG_POLL_S

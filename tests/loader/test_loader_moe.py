@@ -25,10 +25,11 @@ from support.loader_ranks import (
     settings,
 )
 
+from megastart.errors import PlanError
 from megastart.loader.checkpoint import CheckpointMeta, read_metadata
 from megastart.loader.experts import global_expert_name
 from megastart.loader.mappings import mapping_for
-from megastart.loader.plan import ParamInfo, PlanError, resolve_needs
+from megastart.loader.needs import ParamInfo, resolve_needs
 from megastart.loader.stream import BUFFERS
 from megastart.loader.transforms import Shard
 

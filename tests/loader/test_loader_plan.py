@@ -9,20 +9,16 @@ from pathlib import Path
 import pytest
 from support.pyrun import run_python
 
+from megastart.errors import PlanError
 from megastart.loader.checkpoint import CheckpointMeta, TensorEntry
 from megastart.loader.mappings import QWEN3, mapping_for
+from megastart.loader.needs import Need, ParamInfo, check_config, left_to_host, resolve_needs
 from megastart.loader.plan import (
-    Need,
-    ParamInfo,
     Plan,
-    PlanError,
     build_plan,
-    check_config,
     demands_once,
-    left_to_host,
     packed,
     receiver_sets,
-    resolve_needs,
     unused_tensors,
 )
 from megastart.loader.transforms import TRANSFORMS, Shard

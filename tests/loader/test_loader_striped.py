@@ -104,7 +104,7 @@ def test_a_striped_plan_of_8192_ranks_reads_each_bucket_once_on_a_node_that_need
     evenly; each receiver set's buckets keep their order (an FP8 weight's scales before it)."""
     from collections import Counter
 
-    from megastart.bench.plan import MODELS, Layout, synthetic_checkpoint, world_demands
+    from megastart.bench.synthetic import MODELS, Layout, synthetic_checkpoint, world_demands
     from megastart.loader.plan import build_plan
     from megastart.loader.route import Nodes
     from megastart.loader.stripes import stripe

@@ -4,7 +4,7 @@ process: which groups are collectives over the world, and which each node makes 
 
 from __future__ import annotations
 
-from megastart.bench.plan import MODELS, Layout, synthetic_checkpoint, world_demands
+from megastart.bench.synthetic import MODELS, Layout, synthetic_checkpoint, world_demands
 from megastart.distributed import tree_levels
 from megastart.loader.plan import build_plan
 from megastart.loader.route import Nodes, group_sets

@@ -23,8 +23,8 @@ def load_while_replacing_the_checkpoint(checkpoint: str, overrides: dict[str, An
 
     original = stream.Stream.apply
 
-    def apply_then_replace(self: Any, index: int, payload: Any) -> None:
-        original(self, index, payload)
+    def apply_then_replace(self: Any, index: int, payload: Any, *slots: Any) -> None:
+        original(self, index, payload, *slots)
         if index == 0:
             for shard in sorted(Path(checkpoint).glob("*.safetensors")):
                 shutil.copyfile(shard, f"{shard}.new")

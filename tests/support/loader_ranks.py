@@ -226,12 +226,12 @@ def load_while_a_rank_dies(
         original = stream.Stream.apply
         applied = [0]
 
-        def apply_then_die(self: Any, index: int, payload: Any) -> None:
+        def apply_then_die(self: Any, index: int, payload: Any, *slots: Any) -> None:
             if any(slot.name in self.consumers for slot in self.plan.buckets[index].slots):
                 applied[0] += 1
                 if applied[0] == 2:
                     os._exit(7)
-            original(self, index, payload)
+            original(self, index, payload, *slots)
 
         stream.Stream.apply = apply_then_die  # type: ignore[method-assign]
     with simulated_nodes(ranks_per_node or dist.get_world_size()), megatron(layout):
@@ -412,10 +412,10 @@ def load_with_failing_receiver(
 
     original = stream.Stream.apply
 
-    def apply_then_fail(self: Any, index: int, payload: Any) -> None:
+    def apply_then_fail(self: Any, index: int, payload: Any, *slots: Any) -> None:
         if index == 8:
             raise MemoryError("out of host memory (injected)")
-        original(self, index, payload)
+        original(self, index, payload, *slots)
 
     if dist.get_rank() == failing_rank:
         stream.Stream.apply = apply_then_fail  # type: ignore[method-assign]
@@ -481,19 +481,19 @@ def load_with_another_plan_on(
     """``rank`` plans buckets 8 times larger than the others (a bug the size check must catch)."""
     import torch.distributed as dist
 
-    from megastart.loader import api
+    from megastart.loader import planning
 
-    original = api.build_plan
+    original = planning.build_plan
 
     def larger_buckets(*args: Any, bucket_bytes: int, **kwargs: Any) -> Any:
         return original(*args, bucket_bytes=8 * bucket_bytes, **kwargs)
 
     if dist.get_rank() == rank:
-        api.build_plan = larger_buckets
+        planning.build_plan = larger_buckets
     try:
         return timed_load(checkpoint, layout, overrides)
     finally:
-        api.build_plan = original
+        planning.build_plan = original
 
 
 class ValueHead(torch.nn.Linear):

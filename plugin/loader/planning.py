@@ -1,0 +1,178 @@
+"""The load's planning phase across ranks: what each rank shares, the buckets every rank
+computes from it, and what rank 0 says about them.
+
+:mod:`megastart.loader.plan` is the plain-data core (demands in, buckets out); this module
+puts it to a load's ranks, reader groups and settings, so that
+:mod:`megastart.loader.api` reads as the phases alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from megastart.errors import PlanError, SettingsError
+from megastart.loader.checkpoint import CheckpointMeta
+from megastart.loader.mappings import VALUE_HEAD, MappingTable
+from megastart.loader.model import UnsupportedArchitecture, mapping_table
+from megastart.loader.needs import Demand
+from megastart.loader.plan import Plan, build_plan, receiver_sets, unused_tensors
+from megastart.loader.route import Nodes
+from megastart.loader.settings import PLUGIN, Rank0LoaderSettings
+from megastart.loader.stripes import stripe
+
+log = logging.getLogger("megastart")
+
+
+class RankDemands(NamedTuple):
+    """What one rank tells the others when planning."""
+
+    node: tuple[str, int]
+    """Its node (:func:`~megastart.distributed.node_key`)."""
+    demands: bytes
+    """The HF tensors each of its parameters takes, and the parameter's dtype
+    (:func:`~megastart.loader.plan.packed`: replicas send the same bytes, unpacked once)."""
+    device: str
+    """The device type of its parameters (``"cuda"``, ``"cpu"``)."""
+    left_to_host: list[str]
+    """Its parameters the load leaves as the host initialised them (canonical names)."""
+    page_cache: bool
+    """Whether its kernel populates mappings on request (:func:`pagecache.supported`)."""
+    settings: dict[str, Any]
+    """Its ``rank0_loader`` settings (but ``progress``), which every rank's must equal."""
+    untranslatable: str = ""
+    """Why the host's bridge's mapping cannot be reproduced here (``""``: it can)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Buckets:
+    """This rank's view of the planned load."""
+
+    plan: Plan
+    """Its reader group's buckets."""
+    sets: list[list[tuple[int, ...]]]
+    """Per reader group, the distinct sets of positions its buckets reach."""
+    readers: tuple[int, ...]
+    """The global ranks that read."""
+    unused: list[str]
+    """Checkpoint tensors no rank uses (not read)."""
+
+
+def plan_buckets(
+    demands: Sequence[Sequence[Demand]],
+    meta: CheckpointMeta,
+    table: MappingTable,
+    settings: Rank0LoaderSettings,
+    groups: Sequence[list[int]],
+    group: list[int],
+    nodes: Sequence[tuple[str, int]],
+    *,
+    striped: bool,
+    checkpoint: str,
+    strict: bool,
+    value_model: bool,
+) -> Buckets:
+    """The buckets of this rank's reader group, and every group's receiver sets; raises
+    :class:`PlanError` for tensors no rank uses when ``strict``."""
+    unused = unused_tensors(demands, meta, table, value_model=value_model)
+    if unused and strict:
+        raise PlanError(_unused_message(unused, checkpoint, strict=True))
+    plan = build_plan(
+        [demands[r] for r in group],
+        meta,
+        bucket_bytes=int(settings.bucket_mb * 2**20),
+        to_reader=not striped,
+    )
+    if striped:
+        plan = stripe(plan, Nodes.of([nodes[r] for r in group]))
+    sets = [  # another node's reader group (reader=node) has a plan this rank does not make
+        plan.receiver_sets
+        if members is group
+        else receiver_sets([demands[r] for r in members], to_reader=not striped)
+        for members in groups
+    ]
+    readers = (
+        tuple(sorted({group[b.reader] for b in plan.buckets}))
+        if striped
+        else tuple(g[0] for g in groups)
+    )
+    return Buckets(plan, sets, readers, unused)
+
+
+def announce(
+    buckets: Buckets,
+    left_by_all: Sequence[str],
+    checkpoint: str,
+    table: MappingTable,
+    *,
+    striped: bool,
+    value_model: bool,
+) -> None:
+    """Rank 0's lines about the plan: tensors not read, parameters left to the host, readers."""
+    if buckets.unused:
+        log.warning("megastart: %s", _unused_message(buckets.unused, checkpoint, strict=False))
+    heads = [n for n in left_by_all if value_model and n.startswith(VALUE_HEAD)]
+    if heads:
+        log.info(
+            "megastart: value head %s keeps the host's initialisation: %r has no tensor of "
+            "its shape for it (a weight is looked for in %s; a bias never is)",
+            heads,
+            checkpoint,
+            ", ".join(table.value_head_sources),
+        )
+    if len(heads) < len(left_by_all):  # only the bridge's table leaves others
+        log.info(
+            "megastart: %s keep the host's initialisation: the host's Megatron-Bridge does not "
+            "load them either (adapters, parameters none of its mappings names, an output "
+            "layer tied to the embedding)",
+            [n for n in left_by_all if n not in heads],
+        )
+    if striped:
+        log.info(
+            "megastart: %s striped over %d readers (%s), %.2f GB in %d buckets",
+            PLUGIN,
+            len(buckets.readers),
+            _ranks_text(buckets.readers),
+            buckets.plan.nbytes / 1e9,
+            len(buckets.plan.buckets),
+        )
+
+
+def known_table(meta: CheckpointMeta) -> MappingTable:
+    """The built-in table of the checkpoint's architecture (its ignored tensors), or none."""
+    try:
+        return mapping_table(meta)
+    except UnsupportedArchitecture:
+        return MappingTable(meta.architectures, ())
+
+
+def transport_backend(transport: str, device_types: set[str]) -> str:
+    """The backend the buckets cross nodes on, for the ``transport`` setting."""
+    if transport == "auto":
+        return "nccl" if device_types == {"cuda"} else "gloo"
+    if transport == "nccl" and device_types != {"cuda"}:
+        raise SettingsError(
+            f"rank0_loader.transport=nccl needs CUDA parameters on every rank, found {sorted(device_types)}; "
+            "use transport=auto or gloo"
+        )
+    return transport
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    """``ranks`` for a log line: all of a few, the first and last of many."""
+    shown = ", ".join(map(str, ranks[:4]))
+    return f"ranks {shown}" + (f", ... {ranks[-1]}" if len(ranks) > 4 else "")
+
+
+def _unused_message(unused: list[str], checkpoint: str, *, strict: bool) -> str:
+    shown = ", ".join(repr(n) for n in unused[:5]) + (
+        f" (and {len(unused) - 5} more)" if len(unused) > 5 else ""
+    )
+    if strict:
+        return (
+            f"checkpoint {checkpoint!r} holds {len(unused)} tensor(s) no Megatron parameter uses: {shown}; "
+            "the model built is missing layers the checkpoint has, or set rank0_loader.strict=false"
+        )
+    return f"rank0_loader: {len(unused)} tensor(s) of {checkpoint!r} feed no parameter and were not read: {shown}"
