@@ -31,7 +31,6 @@ from megastart.distributed import (
     PEER_GRACE_S,
     Board,
     OwnGroups,
-    Sticky,
     agree,
     all_or_none,
     broadcast_or_raise,
@@ -40,6 +39,7 @@ from megastart.distributed import (
     kept_control,
     node_key,
 )
+from megastart.distributed.sticky import LATCH
 from megastart.errors import SettingsError
 from megastart.loader import pagecache, roles
 from megastart.loader.bridge import Untranslatable
@@ -80,8 +80,8 @@ log = logging.getLogger("megastart")
 
 PLUGIN = "rank0_loader"
 
-_sticky = Sticky(PLUGIN)
-"""This process's failed load, refused again by every later one."""
+_sticky = LATCH
+"""The process's latch: a failed load (or hook) is refused again by every later load."""
 
 
 class RankDemands(NamedTuple):
@@ -186,7 +186,9 @@ def load_hf_checkpoint(
         checkpoint is quantised (its weights would be cast without their scales).
     """
     with (
-        _sticky.guard(passes=(UnsupportedArchitecture, Untranslatable, QuantisedCheckpoint)),
+        _sticky.guard(
+            PLUGIN, passes=(UnsupportedArchitecture, Untranslatable, QuantisedCheckpoint)
+        ),
         discarding_control(),  # every rank's load fails with this one
     ):
         board = Board(PLUGIN)
