@@ -21,6 +21,11 @@ from megastart.harness.launch import RankPool
 
 HAS_BRIDGE = importlib.util.find_spec("megatron.bridge") is not None
 needs_bridge = pytest.mark.skipif(not HAS_BRIDGE, reason="Megatron-Bridge is not installed here")
+needs_mbridge = pytest.mark.skipif(
+    importlib.util.find_spec("mbridge") is None or HAS_BRIDGE,
+    reason="mbridge runs on megatron-core < 0.17, without Megatron-Bridge (the verl session's "
+    "first environment)",
+)
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +53,24 @@ def test_auto_bridge_load_hf_weights_is_megastarts_load_bit_for_bit(
         assert "megatron.bridge.models.conversion.model_bridge" in out["attached"]
         assert out["calls_theirs"] == [], f"rank {rank}: a host adapter above answered the load"
         assert out["calls"] == [("on_model_load", {"host": "megatron-bridge", "report": True})]
+        assert not any(t.isnan().any() for t in out["ours"].values()), f"rank {rank}"
+        assert not same_state(out["theirs"], out["ours"]), f"rank {rank}"
+
+
+@needs_mbridge
+def test_mbridge_load_weights_is_megastarts_load_bit_for_bit(
+    rank_pools: dict[int, RankPool], tmp_path: Any
+) -> None:
+    from support.library_ranks import mbridge_load_weights
+
+    from megastart.harness.checkpoints import make_checkpoint
+
+    # a vocabulary both pad alike (mbridge to a multiple of 128 x TP, megastart's harness its own)
+    qwen2 = str(make_checkpoint("qwen2", tmp_path, vocab_size=512))
+    for rank, out in enumerate(rank_pools[2].run(mbridge_load_weights, qwen2, {"tp": 2})):
+        assert "mbridge.core.bridge" in out["attached"]
+        assert out["calls_theirs"] == [], f"rank {rank}: a host adapter above answered the load"
+        assert out["calls"] == [("on_model_load", {"host": "mbridge", "report": True})]
         assert not any(t.isnan().any() for t in out["ours"].values()), f"rank {rank}"
         assert not same_state(out["theirs"], out["ours"]), f"rank {rank}"
 
@@ -102,7 +125,6 @@ def test_nemo_rl_sequence_loads_through_megastart_and_warms_the_training_world_o
     from support.library_ranks import nemo_rl_sequence
 
     saved = tmp_path / "converted"
-    saved.mkdir()
     for rank, out in enumerate(rank_pools[2].run(nemo_rl_sequence, qwen3, str(saved), {"tp": 2})):
         assert out["calls"] == [
             ("on_model_load", {"host": "megatron-bridge", "report": True}),

@@ -208,12 +208,14 @@ def ddp_schedule(chunks: list[Any], micro_batches: int = 2) -> Iterator[Any]:
 def nemo_rl_sequence(checkpoint: str, saved: str, layout: dict[str, int]) -> dict[str, Any]:
     """NeMo-RL's start in one worker process: the HF checkpoint converted in a first Megatron
     world (``to_megatron_provider(load_weights=True)``, ``provide_distributed_model``, saved
-    with ``dist_checkpointing``), ``destroy_model_parallel()``, a second world initialised
+    with ``dist_checkpointing``, as :mod:`megastart.demo.restart` does on CPU),
+    ``destroy_model_parallel()``, a second world initialised
     and loaded from the saved checkpoint, then trained (a log-prob pass, two training
     passes). The hook calls, the warmups per world, the process groups megastart's load
     left behind, and whether the trained model holds the converted weights."""
-    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core import parallel_state
 
+    from megastart.demo.restart import restore_checkpoint, save_checkpoint
     from megastart.harness.cpu import initialize_megatron
     from megastart.warmup.api import last_report
     from support.loader_ranks import megatron
@@ -225,14 +227,13 @@ def nemo_rl_sequence(checkpoint: str, saved: str, layout: dict[str, int]) -> dic
             groups_before = process_groups()
             converted = provide(bridge, layout, load_weights=True)
             groups_left = process_groups() - groups_before
-            dist_checkpointing.save(converted[0].sharded_state_dict(), saved)
+            save_checkpoint(converted, saved)  # megatron-core's dist_checkpointing
             warmup_in_conversion = warmed_since(before)
             before = last_report()
             parallel_state.destroy_model_parallel()  # as NeMo-RL does, then a new world
             initialize_megatron(**layout)
             chunks = provide(bridge, layout, load_weights=False)
-            loaded = dist_checkpointing.load(chunks[0].sharded_state_dict(), saved)
-            chunks[0].load_state_dict(loaded)
+            restore_checkpoint(chunks, saved)  # a bare dist_checkpointing.load: no hook
             same = not same_state_names(state(converted), state(chunks))
             with ddp_schedule(chunks) as run:
                 run(forward_only=True)
@@ -258,3 +259,32 @@ def process_groups() -> set[Any]:
     import torch.distributed.distributed_c10d as c10d
 
     return set(c10d._world.pg_map)
+
+
+def mbridge_load_weights(checkpoint: str, layout: dict[str, int]) -> dict[str, Any]:
+    """mbridge's ``Bridge.load_weights`` into megastart's harness model (a Qwen2 checkpoint, on
+    Megatron's local spec: :mod:`support.mbridge_cpu`), once with megastart answering above
+    (mbridge's own load) and once as a script calls it."""
+    import mbridge
+
+    from megastart.engines.base import answering
+    from support.loader_ranks import build, megatron
+    from support.mbridge_cpu import use_local_spec_in_mbridge
+
+    use_local_spec_in_mbridge()
+    with recording() as recorder, megatron(layout):
+        bridge = mbridge.AutoBridge.from_pretrained(checkpoint, dtype=torch.float32)
+        chunks = build(checkpoint)
+        poison(chunks)
+        with answering("on_model_load"):
+            bridge.load_weights(chunks, checkpoint)
+        theirs, calls_theirs = state(chunks), list(recorder.calls)
+        poison(chunks)
+        bridge.load_weights(chunks, checkpoint)
+        return {
+            "theirs": theirs,
+            "ours": state(chunks),
+            "calls_theirs": calls_theirs,
+            "calls": recorder.calls[len(calls_theirs) :],
+            "attached": attached(),
+        }
