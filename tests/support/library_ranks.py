@@ -288,3 +288,76 @@ def mbridge_load_weights(checkpoint: str, layout: dict[str, int]) -> dict[str, A
             "calls": recorder.calls[len(calls_theirs) :],
             "attached": attached(),
         }
+
+
+def megatron_lm_resume(checkpoint: str, saved: str, layout: dict[str, int]) -> dict[str, Any]:
+    """Megatron-LM's (and slime's) resume: ``save_checkpoint`` at iteration 5 of the model in
+    megatron-core's DDP, then ``load_checkpoint`` into a fresh one, as ``pretrain`` calls them
+    (``torch_dist``, no optimizer, no RNG); then a fresh start's load of a directory without a
+    checkpoint (iteration 0). The hook calls, the iterations, and whether the resumed model
+    holds the saved weights."""
+    import sys
+
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.num_microbatches_calculator import (
+        destroy_num_microbatches_calculator,
+        init_num_microbatches_calculator,
+    )
+
+    from megastart.activation import activate
+    from support.te_stub import import_with_te_stub
+
+    activate()  # before the import, as AUTOWRAPT_BOOTSTRAP activates at start-up
+    import_with_te_stub("megatron.training.checkpointing")  # Python 3.12's typing.override
+    from megatron.training import global_vars
+    from megatron.training.arguments import parse_args
+    from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+
+    from megastart.demo.restart import _writer_processes_allowed
+    from megastart.demo.train import cuda_factories_on_cpu
+    from megastart.warmup.api import last_report
+    from support.loader_ranks import build, megatron
+
+    argv, sys.argv = sys.argv, ["pretrain_gpt.py"]
+    try:
+        args = parse_args(ignore_unknown_args=True)
+    finally:
+        sys.argv = argv
+    args.tensor_model_parallel_size = layout.get("tp", 1)
+    args.pipeline_model_parallel_size = layout.get("pp", 1)
+    args.save = args.load = saved
+    args.ckpt_format = "torch_dist"
+    args.no_save_optim = args.no_load_optim = args.no_save_rng = args.no_load_rng = True
+    args.exit_on_missing_checkpoint = False
+    args.use_dist_ckpt = True  # what validate_args derives from ckpt_format
+    global_vars.set_args(args)
+    # what Megatron-LM's initialize_megatron sets up before any load
+    init_num_microbatches_calculator(0, None, 1, 1, 1)
+    with recording() as recorder, megatron(layout), cuda_factories_on_cpu():
+        before = last_report()
+
+        def ddp_model() -> list[Any]:
+            chunk = build(checkpoint)[0]
+            return [DistributedDataParallel(chunk.config, DistributedDataParallelConfig(), chunk)]
+
+        trained = ddp_model()
+        cuda_rng_state = torch.cuda.get_rng_state  # saved with the checkpoint: none on CPU
+        torch.cuda.get_rng_state = lambda device="cuda": torch.empty(0, dtype=torch.uint8)
+        try:
+            with _writer_processes_allowed():
+                save_checkpoint(5, trained, None, None, 0)
+        finally:
+            torch.cuda.get_rng_state = cuda_rng_state
+        resumed = ddp_model()
+        iteration, _ = load_checkpoint(resumed, None, None)
+        warmup = warmed_since(before)
+        same = not same_state_names(state(trained), state(resumed))
+        args.load = saved + "-empty"
+        fresh, _ = load_checkpoint(ddp_model(), None, None)
+        destroy_num_microbatches_calculator()
+        return {
+            "calls": recorder.calls,
+            "iterations": (iteration, fresh),
+            "same": same,
+            "warmup": warmup,
+        }
