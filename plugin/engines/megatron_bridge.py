@@ -27,8 +27,9 @@ import wrapt
 from megastart.engines.base import answered_above, argument, hook, load_through_hook, unwrap
 from megastart.engines.library import LibraryAdapter, served_here
 
-REQUIREMENT = "megatron-bridge>=0.5,<0.7"
-"""Megatron-Bridge releases read and tested (0.5.1: the nearest on the index to verl 0.9.1's 0.5.2)."""
+REQUIREMENT = "megatron-bridge>=0.4,<0.7"
+"""Megatron-Bridge releases read: 0.4.0 (AReaL 1.0.4's; the same two signatures) and 0.5.1
+(tested: the nearest on the index to verl 0.9.1's 0.5.2)."""
 
 SERVES = (
     "NeMo-RL (AutoBridge.to_megatron_provider(load_weights=True), load_checkpoint)",

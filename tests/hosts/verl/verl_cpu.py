@@ -371,14 +371,16 @@ def check_critic_from_reward_checkpoint(out: dict[str, Any], checkpoint: str) ->
 
 
 def check_same_weights_one_reader(ranks: list[dict[str, Any]]) -> str:
-    """:func:`loaders_on_rank` on every rank: only rank 0 read, and both loaders
-    wrote the same weights. Returns rank 0's summary line of the load."""
+    """:func:`loaders_on_rank` on every rank: only rank 0 read, both loaders wrote the same
+    weights, and each load made one hook call (the library adapter beneath verl's, on
+    mbridge's or Megatron-Bridge's loader, passed through). Returns rank 0's summary line
+    of the load."""
     import torch
 
+    calls = [line for line in ranks[0]["log"] if line.startswith("megastart: on_model_load ")]
+    assert len(calls) == 2, calls  # one per load: megastart's, then verl's own
     (summary,) = [
-        line
-        for line in ranks[0]["log"]
-        if line.startswith("megastart: on_model_load rank0_loader:")
+        line for line in calls if line.startswith("megastart: on_model_load rank0_loader:")
     ]
     assert "read by rank(s) [0]" in summary
     for out in ranks:
