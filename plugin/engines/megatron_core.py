@@ -95,7 +95,7 @@ class MegatronCoreStateAdapter(LibraryAdapter):
 class MegatronLMCheckpointAdapter(LibraryAdapter):
     """``post_recover_load`` after Megatron-LM's ``load_checkpoint`` resumed training."""
 
-    host: ClassVar[str] = "megatron-core"
+    host: ClassVar[str] = "megatron-lm"  # shipped in megatron-core wheels from 0.19
     module: ClassVar[str] = "megatron.training.checkpointing"
     requirement: ClassVar[str] = MEGATRON_CORE_TESTED
     serves: ClassVar[tuple[str, ...]] = ("Megatron-LM", "slime")

@@ -136,19 +136,24 @@ def test_nemo_rl_sequence_loads_through_megastart_and_warms_the_training_world_o
         assert out["same"], f"rank {rank}: the training world does not hold the converted weights"
 
 
-def test_megatron_lm_resume_runs_post_recover_load_once_and_a_fresh_start_none(
-    rank_pools: dict[int, RankPool], qwen3: str, tmp_path: Any
+@pytest.mark.parametrize(
+    "loader",
+    ["megatron-lm", pytest.param("megatron-bridge", marks=needs_bridge)],
+)
+def test_a_resume_through_load_checkpoint_runs_post_recover_load_once_and_a_fresh_start_none(
+    rank_pools: dict[int, RankPool], qwen3: str, tmp_path: Any, loader: str
 ) -> None:
-    """Megatron-LM's ``load_checkpoint`` (slime's resume too) of a real ``torch_dist``
-    checkpoint saved at iteration 5: ``post_recover_load`` once, the warmup there; a load
-    that finds no checkpoint (iteration 0) fires nothing."""
+    """Megatron-LM's ``load_checkpoint`` (slime's resume too) and Megatron-Bridge's (NeMo-RL's)
+    of a real ``torch_dist`` checkpoint saved at iteration 5: ``post_recover_load`` once, the
+    warmup there; a load that finds no checkpoint (iteration 0) fires nothing."""
     if importlib.util.find_spec("megatron.training") is None:
         pytest.skip("megatron.training ships with megatron-core wheels from 0.19")
     from support.library_ranks import megatron_lm_resume
 
     saved = str(tmp_path / "saved")
-    for rank, out in enumerate(rank_pools[2].run(megatron_lm_resume, qwen3, saved, {"tp": 2})):
+    runs = rank_pools[2].run(megatron_lm_resume, qwen3, saved, {"tp": 2}, loader)
+    for rank, out in enumerate(runs):
         assert out["iterations"] == (5, 0)
-        assert out["calls"] == [("post_recover_load", {"host": "megatron-core", "restart": True})]
+        assert out["calls"] == [("post_recover_load", {"host": loader, "restart": True})]
         assert out["warmup"] == "post_recover_load"
         assert out["same"], f"rank {rank}: the resumed model does not hold the saved weights"

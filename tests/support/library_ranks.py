@@ -290,12 +290,15 @@ def mbridge_load_weights(checkpoint: str, layout: dict[str, int]) -> dict[str, A
         }
 
 
-def megatron_lm_resume(checkpoint: str, saved: str, layout: dict[str, int]) -> dict[str, Any]:
+def megatron_lm_resume(
+    checkpoint: str, saved: str, layout: dict[str, int], loader: str = "megatron-lm"
+) -> dict[str, Any]:
     """Megatron-LM's (and slime's) resume: ``save_checkpoint`` at iteration 5 of the model in
     megatron-core's DDP, then ``load_checkpoint`` into a fresh one, as ``pretrain`` calls them
     (``torch_dist``, no optimizer, no RNG); then a fresh start's load of a directory without a
-    checkpoint (iteration 0). The hook calls, the iterations, and whether the resumed model
-    holds the saved weights."""
+    checkpoint (iteration 0). ``loader="megatron-bridge"`` resumes with Megatron-Bridge's
+    ``load_checkpoint`` instead (NeMo-RL's), which reads Megatron-LM's checkpoints. The hook
+    calls, the iterations, and whether the resumed model holds the saved weights."""
     import sys
 
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -348,12 +351,13 @@ def megatron_lm_resume(checkpoint: str, saved: str, layout: dict[str, int]) -> d
                 save_checkpoint(5, trained, None, None, 0)
         finally:
             torch.cuda.get_rng_state = cuda_rng_state
+        load = load_checkpoint if loader == "megatron-lm" else bridge_loader(args)
         resumed = ddp_model()
-        iteration, _ = load_checkpoint(resumed, None, None)
+        iteration, _ = load(resumed, None, None)
         warmup = warmed_since(before)
         same = not same_state_names(state(trained), state(resumed))
         args.load = saved + "-empty"
-        fresh, _ = load_checkpoint(ddp_model(), None, None)
+        fresh, _ = load(ddp_model(), None, None)
         destroy_num_microbatches_calculator()
         return {
             "calls": recorder.calls,
@@ -361,3 +365,40 @@ def megatron_lm_resume(checkpoint: str, saved: str, layout: dict[str, int]) -> d
             "same": same,
             "warmup": warmup,
         }
+
+
+def bridge_loader(args: Any) -> Any:
+    """Megatron-Bridge's ``load_checkpoint(state, model, optimizer, scheduler)`` as NeMo-RL calls
+    it, with a state of the fields a model-only ``torch_dist`` resume reads (its
+    ``CheckpointConfig``; ``args.load`` read at each call)."""
+    from types import SimpleNamespace
+
+    from support.te_stub import import_with_te_stub
+
+    load_checkpoint = import_with_te_stub("megatron.bridge.training.checkpointing").load_checkpoint
+    from megatron.bridge.training.config import CheckpointConfig
+
+    def load(model: Any, optimizer: Any, scheduler: Any) -> Any:
+        checkpoint = CheckpointConfig(
+            load=args.load, ckpt_format="torch_dist", load_optim=False, load_rng=False
+        )
+        cfg = SimpleNamespace(
+            checkpoint=checkpoint,
+            model=SimpleNamespace(
+                tensor_model_parallel_size=args.tensor_model_parallel_size,
+                pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                fp16=False,
+                bf16=False,
+            ),
+            optimizer=SimpleNamespace(use_distributed_optimizer=False),
+            rng=SimpleNamespace(data_parallel_random_init=False),
+            ddp=SimpleNamespace(use_megatron_fsdp=False),
+            peft=None,
+        )
+        loggers = dict.fromkeys(("wandb_logger", "mlflow_logger", "comet_logger"))
+        state = SimpleNamespace(
+            cfg=cfg, train_state=None, fault_tolerance_state=SimpleNamespace(), **loggers
+        )
+        return load_checkpoint(state, model, optimizer, scheduler)
+
+    return load
