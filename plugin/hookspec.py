@@ -48,7 +48,11 @@ def on_model_load(engine: EngineContext, checkpoint: str) -> LoadReport | None:
     Runs on every training rank, together, after the model chunks are built
     (parameters allocated, on their device) and before the optimizer sees
     them. On a restart it runs too: the recover checkpoint overwrites the
-    weights afterwards (see ``post_recover_load``).
+    weights afterwards (see ``post_recover_load``). Besides the hosts' own
+    loaders, Megatron-Bridge's (``AutoBridge.load_hf_weights``,
+    ``to_megatron_provider(load_weights=True)``) and mbridge's
+    (``Bridge.load_weights``) call it; one load gives one call, from the
+    adapter nearest the host.
 
     :param engine: this rank's engine; ``engine.model_chunks`` are the chunks to
         fill in place.
@@ -100,6 +104,10 @@ def post_recover_load(engine: EngineContext, checkpoint: str) -> None:
     :param engine: this rank's engine (``engine.is_restart`` is true).
     :param checkpoint: the recover checkpoint's path, as the host names it.
 
+    Hosts without an adapter of their own reach it through Megatron-LM's and
+    Megatron-Bridge's ``load_checkpoint`` when it returns an iteration past
+    zero (a resume); a bare ``dist_checkpointing.load`` never calls it.
+
     An implementation must not change parameters or optimizer state, and must
     not issue collectives on groups shared with the rollout engine (e.g. the
     weight-update group).
@@ -116,10 +124,19 @@ def pre_first_step(engine: EngineContext) -> None:
     """Called once per process, right before the first training step.
 
     Runs on every training rank, together, on a fresh start and on a restart
-    alike, before the host's first forward/backward (e.g. verl's first
-    ``train_batch``, AReaL's first ``compute_logp`` or ``ppo_update``).
+    alike, before the host's first forward/backward, which may be a
+    forward-only pass (a log-prob pass: verl's first ``compute_log_prob``,
+    AReaL's first ``compute_logp``) as well as a training one (``ppo_update``).
+    Hosts without an adapter of their own reach it through megatron-core's
+    schedules: before the first call in the process of any function
+    ``get_forward_backward_func()`` returns, however the host cached it. Never
+    while a CUDA graph is being captured. Once per Megatron world: a process
+    that destroys its model-parallel state and builds a new one
+    (``destroy_model_parallel``) calls it again before the new world's first
+    step.
 
-    :param engine: this rank's engine.
+    :param engine: this rank's engine; ``engine.ddp_config`` is the DDP config
+        where the host wrapped the model in megatron-core's DDP.
 
     An implementation must not change parameters or optimizer state.
     """

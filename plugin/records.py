@@ -69,6 +69,12 @@ class EngineContext:
     replaces, where the host loads through one: its ``mapping_registry()`` then decides which
     checkpoint tensors fill which parameter (``None``: megastart's built-in tables decide)."""
 
+    ddp_config: Any = None
+    """Megatron's ``DistributedDataParallelConfig`` of these chunks, where the host wraps
+    them in megatron-core's DDP (``None``: not known, or not wrapped yet): whether
+    gradients are reduce-scattered (distributed optimizer) or all-reduced decides which
+    communicators the first step makes."""
+
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Host-specific details a plugin may use at its own risk (documented per adapter)."""
 

@@ -9,7 +9,7 @@ Environment variables cross process boundaries (Ray ``runtime_env``, AReaL's
 per-worker ``env_vars``), so every setting has one:
 ``MEGASTART_<SECTION>_<FIELD>`` (``MEGASTART_RANK0_LOADER_BUCKET_MB=256``), and
 for the core section ``MEGASTART_ENABLED``, ``MEGASTART_DISABLE=1``,
-``MEGASTART_BLOCKLIST=a,b`` and ``MEGASTART_TRACE=1``.
+``MEGASTART_BLOCKLIST=a,b``, ``MEGASTART_TRACE=1`` and ``MEGASTART_LIBRARY_ADAPTERS=0``.
 """
 
 from __future__ import annotations
@@ -46,6 +46,11 @@ class CoreSettings:
 
     trace: bool = False
     """Log every hook implementation call on every rank, not only a summary on rank 0."""
+
+    library_adapters: bool = True
+    """False keeps the adapters of Megatron-Bridge, mbridge and megatron-core (which serve
+    any host that loads and trains through them) detached; the host adapters (verl, AReaL,
+    slime, ROLL) still attach."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +185,7 @@ _CORE_ENV = {
     "MEGASTART_DISABLE": "enabled",
     "MEGASTART_BLOCKLIST": "blocklist",
     "MEGASTART_TRACE": "trace",
+    "MEGASTART_LIBRARY_ADAPTERS": "library_adapters",
 }
 
 

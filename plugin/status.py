@@ -1,5 +1,5 @@
-"""``megastart status``: what is installed, how it activates, what is blocked, and the
-resolved settings."""
+"""``megastart status``: what is installed, how it activates, what is blocked, which library
+adapters would attach here (and for which hosts), and the resolved settings."""
 
 from __future__ import annotations
 
@@ -46,14 +46,20 @@ def collect() -> dict[str, Any]:
     for ep in manager.engine_entry_points():
         adapter = load_adapter(ep.name)
         compat = adapter.compatibility()
+        library = adapter.layer == "library"
         engines.append(
             {
                 "name": ep.name,
                 "host": adapter.host,
+                "layer": adapter.layer,
+                "serves": list(adapter.serves),
                 "supported": adapter.requirement,
                 "installed_version": compat.installed_version,
                 "compatible": compat.compatible,
                 "reason": compat.reason,
+                "would_attach": compat.compatible
+                and settings.enabled
+                and (settings.core.library_adapters or not library),
             }
         )
     return {
@@ -90,6 +96,8 @@ def activation(engines: list[dict[str, Any]]) -> dict[str, Any]:
     hosts: dict[str, dict[str, Any]] = {}
     for engine in engines:
         if engine["installed_version"] is None or engine["host"] in hosts:
+            continue
+        if engine["layer"] == "library":  # reached through whichever host imports the library
             continue
         group = plugin_group(engine["host"])
         filtered = group is not None and not loads_megastart(
@@ -155,12 +163,25 @@ def render(report: dict[str, Any]) -> str:
     if not report["plugins"]:
         lines.append("  (none installed)")
     lines += ["", "engine adapters (entry-point group 'megastart.engines'):"]
-    for e in report["engines"]:
+    hosts = [e for e in report["engines"] if e["layer"] == "host"]
+    for e in hosts:
         lines.append(
             f"  {e['host']:<8} {e['name']}\n           supports {e['supported']}; {_host_state(e)}"
         )
-    if not report["engines"]:
+    if not hosts:
         lines.append("  (none installed)")
+    library = report["settings"].get("library_adapters", {}).get("value", True)
+    lines += [
+        "",
+        "library adapters (any host that loads or trains through these libraries; "
+        f"library_adapters={'on' if library else 'OFF'}):",
+    ]
+    for e in (e for e in report["engines"] if e["layer"] == "library"):
+        attach = "would attach here" if e["would_attach"] else "would NOT attach here"
+        lines.append(
+            f"  {e['host']:<15} {e['name']}\n           supports {e['supported']}; "
+            f"{_host_state(e)}; {attach}\n           for: {'; '.join(e['serves'])}"
+        )
     lines += ["", *render_activation(report["activation"])]
     core = report["megatron_core"]
     lines += [

@@ -30,8 +30,10 @@ _adapters: dict[str, EngineAdapter] = {}
 
 
 def attach_adapter(module: ModuleType) -> None:
-    """Attach the adapter registered for ``module``, unless megastart is disabled."""
-    if not get_settings().enabled:
+    """Attach the adapter registered for ``module``, unless megastart is disabled (or, for
+    a library adapter, the ``library_adapters`` setting is off)."""
+    settings = get_settings()
+    if not settings.enabled:
         log.info("megastart: disabled; not attaching to %s", module.__name__)
         return
     try:
@@ -40,6 +42,9 @@ def attach_adapter(module: ModuleType) -> None:
         log.warning(
             "megastart: engine adapter for %s could not be imported: %s", module.__name__, e
         )
+        return
+    if adapter.layer == "library" and not settings.core.library_adapters:
+        log.info("megastart: library_adapters is off; not attaching to %s", module.__name__)
         return
     adapter.attach(module)
 

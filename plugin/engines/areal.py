@@ -23,8 +23,13 @@ Where each hook runs (AReaL 1.0.4):
 
 Every hook is collective, and AReaL's schedulers retry failed RPCs (Ray on a
 timeout, Slurm and local on an HTTP 500 saying "timeout"). After a hook failed,
-every later megastart hook in the process raises that failure again instead of
-issuing collectives that the other ranks, which did not retry, never join.
+every later megastart hook in the process raises
+:class:`~megastart.distributed.FailedBefore` instead of issuing collectives that
+the other ranks, which did not retry, never join: each wrapper consults the
+process's one latch (:data:`megastart.distributed.sticky.LATCH`) before AReaL's
+own collectives run. Each wrapper answers its event for the duration of AReaL's
+call, so the library adapters underneath (Megatron-Bridge's loader when
+``bridge_cls`` is ``megatron-bridge``, megatron-core's schedules) pass through.
 """
 
 from __future__ import annotations
@@ -40,9 +45,16 @@ from typing import Any, ClassVar
 
 import wrapt
 
-from megastart.engines.base import EngineAdapter, argument, before_first_step, unwrap
-from megastart.errors import HostError
-from megastart.manager import call_hook
+from megastart.distributed.sticky import LATCH
+from megastart.engines.base import (
+    EngineAdapter,
+    answering,
+    argument,
+    before_first_step,
+    hook,
+    unwrap,
+    unwrap_chunks,
+)
 from megastart.records import EngineContext
 
 log = logging.getLogger("megastart")
@@ -70,16 +82,11 @@ class ArealSettings:
     and refreshes the optimizer's main parameters from it."""
 
 
-class HookFailedBefore(HostError):
-    """A megastart hook was reached again after a hook failed in this process."""
-
-
 class ArealAdapter(EngineAdapter):
     """Attaches megastart's hooks to AReaL's ``MegatronEngine`` (see the module docstring).
 
     One instance per process (the adapter registry holds it); the state it keeps is
-    per engine (deferred HF loads, restarted engines) and per process (the first
-    hook failure, which every later hook re-raises).
+    per engine (deferred HF loads, restarted engines).
     """
 
     host: ClassVar[str] = "areal"
@@ -99,7 +106,6 @@ class ArealAdapter(EngineAdapter):
 
     def __init__(self) -> None:
         super().__init__()
-        self._failure: tuple[str, BaseException] | None = None
         self._restarted: weakref.WeakSet[Any] = weakref.WeakSet()
         self._deferred: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         self._wrappers: dict[str, Any] = {}
@@ -130,14 +136,15 @@ class ArealAdapter(EngineAdapter):
 
     def _load_hf(self, wrapped: Wrapped, instance: Any, args: Any, kwargs: Any) -> Any:
         path = argument(wrapped, args, kwargs, 0)
-        self._raise_if_failed("on_model_load")
+        LATCH.refuse_if_failed("on_model_load")
         if not instance.initialized and self.settings().skip_hf_load_on_recover:
             self._deferred[instance] = path
             log.info("megastart: deferring the HF load of %s (skip_hf_load_on_recover)", path)
             return None
-        report = self._call_hook("on_model_load", engine=self.context(instance), checkpoint=path)
-        if report is None:
-            return wrapped(*args, **kwargs)
+        with answering("on_model_load"):
+            report = hook("on_model_load", engine=self.context(instance), checkpoint=path)
+            if report is None:
+                return wrapped(*args, **kwargs)
         if instance.config.is_critic:
             load_saved_value_head(instance, path)
         return None
@@ -146,7 +153,7 @@ class ArealAdapter(EngineAdapter):
         meta = argument(wrapped, args, kwargs, 0)
         recover = is_recover_load(meta)
         if recover:
-            self._raise_if_failed("post_recover_load")
+            LATCH.refuse_if_failed("post_recover_load")
         restores_all = meta.with_optim or instance.optimizer is None
         if recover and restores_all and instance in self._deferred:
             path = self._deferred.pop(instance)
@@ -157,23 +164,25 @@ class ArealAdapter(EngineAdapter):
                 meta.path,
             )
         self._resolve_deferred(instance)
-        result = wrapped(*args, **kwargs)
+        with answering("post_recover_load"):
+            result = wrapped(*args, **kwargs)
         if recover:
             self._restarted.add(instance)
             context = self.context(instance, is_restart=True)
-            self._call_hook("post_recover_load", engine=context, checkpoint=meta.path)
+            hook("post_recover_load", engine=context, checkpoint=meta.path)
         return result
 
     def _step(self, wrapped: Wrapped, instance: Any, args: Any, kwargs: Any) -> Any:
-        self._raise_if_failed("pre_first_step")
+        LATCH.refuse_if_failed("pre_first_step")
         self._resolve_deferred(instance)
-        before_first_step(
-            lambda: self._call_hook(
-                "pre_first_step",
-                engine=self.context(instance, is_restart=instance in self._restarted),
+        with answering("pre_first_step"):
+            before_first_step(
+                lambda: hook(
+                    "pre_first_step",
+                    engine=self.context(instance, is_restart=instance in self._restarted),
+                )
             )
-        )
-        return wrapped(*args, **kwargs)
+            return wrapped(*args, **kwargs)
 
     def _uses_weights(self, wrapped: Wrapped, instance: Any, args: Any, kwargs: Any) -> Any:
         self._resolve_deferred(instance)
@@ -186,7 +195,7 @@ class ArealAdapter(EngineAdapter):
         from megatron.core import parallel_state
 
         return self.engine_context(
-            model_chunks=[unwrap_chunk(chunk) for chunk in engine.model],
+            model_chunks=unwrap_chunks(list(engine.model)),
             parallel_state=parallel_state,
             device=engine.device if engine.device is not None else "cpu",
             dtype=engine.dtype,
@@ -194,31 +203,9 @@ class ArealAdapter(EngineAdapter):
             is_restart=is_restart,
             value_model=bool(engine.config.is_critic),
             host_dequantises=_DEQUANTISES.get(str(getattr(engine, "bridge_cls", "")), frozenset()),
-            extra={
-                "areal_engine": engine,
-                "ddp_config": getattr(engine.model[0], "ddp_config", None),
-            },
+            ddp_config=getattr(engine.model[0], "ddp_config", None),
+            extra={"areal_engine": engine},
         )
-
-    def _call_hook(self, name: str, **kwargs: Any) -> Any:
-        self._raise_if_failed(name)
-        try:
-            return call_hook(name, **kwargs)
-        except BaseException as error:
-            self._failure = (name, error)
-            raise
-
-    def _raise_if_failed(self, name: str) -> None:
-        """Refuse, before any host collective runs, to reach a hook after a failure."""
-        if self._failure is not None:
-            failed, error = self._failure
-            raise HookFailedBefore(
-                f"megastart: not running {name}: {failed} already failed in this process "
-                f"({type(error).__name__}: {error}). An RPC that reaches a megastart hook "
-                "again was retried on this rank; re-running a collective on some ranks "
-                "only would hang. Restart the job (and keep AReaL's retries of engine "
-                "calls at max_retries=1)."
-            ) from error
 
     def _resolve_deferred(self, engine: Any) -> None:
         """Run the HF load deferred by ``skip_hf_load_on_recover``, if still pending."""
@@ -270,18 +257,7 @@ def load_saved_value_head(engine: Any, path: str) -> None:
     if not parallel_state.is_pipeline_last_stage() or not os.path.exists(saved):
         return
     state = torch.load(saved, weights_only=True)
-    for chunk in engine.model:
-        model = unwrap_chunk(chunk)
+    for model in unwrap_chunks(list(engine.model)):
         if hasattr(model, "output_layer"):
             model.output_layer.load_state_dict(state)
     log.info("megastart: loaded the critic's value head from %s, as AReaL does", saved)
-
-
-def unwrap_chunk(chunk: Any) -> Any:
-    """The Megatron model inside AReaL's DDP / Float16Module wrappers."""
-    from megatron.core.distributed import DistributedDataParallel
-    from megatron.core.transformer.module import Float16Module
-
-    while isinstance(chunk, (DistributedDataParallel, Float16Module)):
-        chunk = chunk.module
-    return chunk

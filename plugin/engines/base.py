@@ -4,13 +4,25 @@ Modelled on OpenTelemetry's ``BaseInstrumentor``: the public ``attach`` and
 ``detach`` are idempotent guards around the adapter's own ``_attach`` and
 ``_detach``, which mirror each other line by line.
 
+Adapters come in two layers: *library adapters* wrap what every Megatron host
+passes through (Megatron-Bridge, mbridge, megatron-core), *host adapters* wrap a
+host's own call sites, with a richer context. One event gives one hook call: a
+host adapter answering an event marks it for the duration of the host's call
+(:func:`answering`), and a library adapter underneath passes through
+(:func:`answered_above`).
+
 What every adapter needs once, and finds only here:
 
 - :func:`unwrap`: the strict pair of ``wrapt.wrap_function_wrapper``;
 - :func:`argument`: a wrapped host method's argument, however it was passed;
 - :meth:`EngineAdapter.settings` and :meth:`EngineAdapter.engine_context`: the
   one lookup of this process's settings;
-- :func:`before_first_step`: ``pre_first_step`` once per process.
+- :func:`hook`: a hook call behind the process's one sticky-failure latch
+  (:data:`megastart.distributed.sticky.LATCH`);
+- :func:`load_through_hook`: ``on_model_load``, else the host's loader;
+- :func:`before_first_step`: ``pre_first_step`` once per process and world;
+- :func:`unwrap_chunks` and :func:`training_device`: the model and device as
+  hooks see them.
 
 Imports point one way: adapters import this module, this module imports the
 manager; the manager reaches adapters only through their entry points.
@@ -22,11 +34,15 @@ import inspect
 import logging
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from types import ModuleType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
-from megastart.manager import get_settings
+from megastart.distributed.sticky import LATCH
+from megastart.distributed.world import OncePerWorld
+from megastart.manager import call_hook, get_settings
 from megastart.records import EngineContext
 from megastart.requirements import Compatibility, check_requirement
 
@@ -47,6 +63,13 @@ class EngineAdapter(ABC):
 
     wraps: ClassVar[Mapping[str, tuple[str, ...]]]
     """``"Class.method"`` -> parameter names the wrapper relies on."""
+
+    layer: ClassVar[Literal["host", "library"]] = "host"
+    """``"library"``: wraps a library every Megatron host passes through; the
+    ``library_adapters`` setting switches these off, keeping the host adapters."""
+
+    serves: ClassVar[tuple[str, ...]] = ()
+    """A library adapter's hosts, as ``megastart status`` lists them."""
 
     def __init__(self) -> None:
         self._attached_to: ModuleType | None = None
@@ -125,6 +148,7 @@ class EngineAdapter(ABC):
         value_model: bool = False,
         host_dequantises: frozenset[str] = frozenset(),
         hf_bridge: Any = None,
+        ddp_config: Any = None,
     ) -> EngineContext:
         """The ``EngineContext`` of one of this host's models, with this process's settings."""
         return EngineContext(
@@ -140,6 +164,7 @@ class EngineAdapter(ABC):
             settings=get_settings(),
             host_dequantises=host_dequantises,
             hf_bridge=hf_bridge,
+            ddp_config=ddp_config,
             extra=extra,
         )
 
@@ -188,22 +213,92 @@ def argument(function: Callable[..., Any], args: Any, kwargs: Any, position: int
     return None if parameter.default is inspect.Parameter.empty else parameter.default
 
 
+_answering: ContextVar[frozenset[str]] = ContextVar("megastart_answering", default=frozenset())
+
+
+@contextmanager
+def answering(event: str) -> Iterator[None]:
+    """Mark hook ``event`` as answered by this adapter while the block (the host's own
+    call) runs: a library adapter the call reaches passes through."""
+    token = _answering.set(_answering.get() | {event})
+    try:
+        yield
+    finally:
+        _answering.reset(token)
+
+
+def answered_above(event: str) -> bool:
+    """Whether an adapter further up this call answers hook ``event``."""
+    return event in _answering.get()
+
+
+def hook(name: str, **kwargs: Any) -> Any:
+    """Call hook ``name`` (:func:`megastart.manager.call_hook`), unless a hook or a collective
+    of megastart's failed before in this process; a failure here is remembered for the process.
+
+    Every hook is collective: a host that retries an RPC on one rank would re-run it
+    there alone, so a retried call is refused before it issues anything.
+    """
+    with LATCH.guard(name):
+        return call_hook(name, **kwargs)
+
+
+def load_through_hook(
+    wrapped: Callable[..., Any],
+    args: Any,
+    kwargs: Any,
+    *,
+    context: Callable[[Any], EngineContext],
+    model_at: int,
+    checkpoint: Any,
+    loaded: Callable[[Any], Any] = lambda model: None,
+) -> Any:
+    """Run a host's (or a library's) HF loader behind ``on_model_load``: the loader itself
+    only if no plugin handled the load (a critic's too: the context says it is a value model).
+
+    :param context: the engine context for the model chunks the loader was given.
+    :param model_at: the loader's parameter that holds those chunks.
+    :param loaded: what the loader returns for those chunks, returned when a plugin loaded.
+    """
+    model = argument(wrapped, args, kwargs, model_at)
+    with answering("on_model_load"):
+        if hook("on_model_load", engine=context(model), checkpoint=str(checkpoint)) is None:
+            return wrapped(*args, **kwargs)
+    return loaded(model)
+
+
 _first_step_lock = threading.Lock()
-_first_step_done = False
+_first_step = OncePerWorld()
 
 
 def before_first_step(call: Callable[[], object]) -> None:
     """Run ``call`` (the adapter's ``pre_first_step``) unless a first step ran in this
-    process already.
+    process already (in this Megatron world: :mod:`megastart.distributed.world`).
 
     Once per process, not per adapter: verl 0.7 trains an actor on the engine and a
     critic in the legacy workers in one process, and their communicators are the
     same. It counts as done only when ``call`` returns: a step retried after the
-    hook raised reaches ``call`` again, where an adapter that must refuse does so.
+    hook raised reaches ``call`` again, where the latch refuses it.
     """
-    global _first_step_done
     with _first_step_lock:
-        if _first_step_done:
+        if _first_step.done:
             return
         call()
-        _first_step_done = True
+        _first_step.mark()
+
+
+def unwrap_chunks(model: Any) -> list[Any]:
+    """The Megatron model chunks inside a model or a list of them, unwrapped from DDP,
+    FSDP and Float16Module (megatron-core's ``unwrap_model``)."""
+    from megatron.core.utils import unwrap_model
+
+    return list(unwrap_model(model if isinstance(model, list) else [model]))
+
+
+def training_device() -> Any:
+    """The device this rank trains on, even while the host has offloaded the parameters."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -50,16 +50,22 @@ from typing import Any, ClassVar
 
 import wrapt
 
-from megastart.engines.base import EngineAdapter, argument, before_first_step, unwrap
+from megastart.engines.base import (
+    EngineAdapter,
+    answering,
+    argument,
+    before_first_step,
+    hook,
+    load_through_hook,
+    unwrap,
+)
 from megastart.engines.verl_common import (
     BRIDGE_LOADERS,
-    load_through_hook,
     restore_log_level,
     shadowed,
     show_summaries,
     verl_context,
 )
-from megastart.manager import call_hook
 from megastart.records import EngineContext
 
 
@@ -100,11 +106,12 @@ class VerlAdapter(EngineAdapter):
     def _around_build(
         self, wrapped: Callable[..., Any], engine: Any, args: Any, kwargs: Any
     ) -> Any:
-        if engine.engine_config.use_dist_checkpointing:
-            return wrapped(*args, **kwargs)
-        loader = BRIDGE_LOADERS[bool(engine.vanilla_bridge)]
-        with shadowed(engine.bridge, loader, self._bridge_loader(engine)):
-            return wrapped(*args, **kwargs)
+        with answering("on_model_load"):  # this adapter answers whatever the build loads
+            if engine.engine_config.use_dist_checkpointing:
+                return wrapped(*args, **kwargs)
+            loader = BRIDGE_LOADERS[bool(engine.vanilla_bridge)]
+            with shadowed(engine.bridge, loader, self._bridge_loader(engine)):
+                return wrapped(*args, **kwargs)
 
     def _bridge_loader(self, engine: Any) -> Callable[..., Any]:
         def load(wrapped: Callable[..., Any], _bridge: Any, args: Any, kwargs: Any) -> Any:
@@ -122,9 +129,10 @@ class VerlAdapter(EngineAdapter):
     def _after_recover_load(
         self, wrapped: Callable[..., Any], engine: Any, args: Any, kwargs: Any
     ) -> Any:
-        result = wrapped(*args, **kwargs)
+        with answering("post_recover_load"):
+            result = wrapped(*args, **kwargs)
         checkpoint = argument(wrapped, args, kwargs, 0)
-        call_hook(
+        hook(
             "post_recover_load",
             engine=self._context(engine, is_restart=True),
             checkpoint=str(checkpoint),
@@ -134,8 +142,9 @@ class VerlAdapter(EngineAdapter):
     def _before_first_step(
         self, wrapped: Callable[..., Any], engine: Any, args: Any, kwargs: Any
     ) -> Any:
-        before_first_step(lambda: call_hook("pre_first_step", engine=self._context(engine)))
-        return wrapped(*args, **kwargs)
+        with answering("pre_first_step"):
+            before_first_step(lambda: hook("pre_first_step", engine=self._context(engine)))
+            return wrapped(*args, **kwargs)
 
     # -- the host-agnostic view ----------------------------------------------
 

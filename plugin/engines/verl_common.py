@@ -19,8 +19,7 @@ from typing import Any
 
 import wrapt
 
-from megastart.engines.base import EngineAdapter, argument
-from megastart.manager import call_hook
+from megastart.engines.base import EngineAdapter, training_device
 from megastart.records import EngineContext
 
 log = logging.getLogger("megastart")
@@ -67,12 +66,14 @@ def verl_context(
     extra: dict[str, Any],
     hf_bridge: Any = None,
 ) -> EngineContext:
-    """The host-agnostic view of one verl model (a list of DDP/Float16 chunks)."""
+    """The host-agnostic view of one verl model (a list of DDP/Float16 chunks: the DDP
+    wrapper's config travels as ``ddp_config``)."""
     from megatron.core import parallel_state
     from verl.utils.megatron_utils import unwrap_model
 
     return adapter.engine_context(
         model_chunks=unwrap_model(list(model)),
+        ddp_config=getattr(next(iter(model)), "ddp_config", None),
         parallel_state=parallel_state,
         device=training_device(),
         dtype=dtype,
@@ -82,36 +83,6 @@ def verl_context(
         hf_bridge=hf_bridge,
         extra=extra,
     )
-
-
-def load_through_hook(
-    wrapped: Callable[..., Any],
-    args: Any,
-    kwargs: Any,
-    *,
-    context: Callable[[Any], EngineContext],
-    model_at: int,
-    checkpoint: Any,
-) -> Any:
-    """Run one of verl's HF loaders behind ``on_model_load``: the loader itself only if no
-    plugin handled the load (a critic's too: the context says it is a value model).
-
-    :param context: the engine context for the model chunks the loader was given.
-    :param model_at: the loader's parameter that holds those chunks.
-    """
-    model = argument(wrapped, args, kwargs, model_at)
-    if call_hook("on_model_load", engine=context(model), checkpoint=str(checkpoint)) is None:
-        return wrapped(*args, **kwargs)
-    return None
-
-
-def training_device() -> Any:
-    """The device verl trains on, even while it has offloaded the parameters."""
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 @contextmanager

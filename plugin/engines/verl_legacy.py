@@ -51,16 +51,22 @@ from typing import Any, ClassVar
 
 import wrapt
 
-from megastart.engines.base import EngineAdapter, argument, before_first_step, unwrap
+from megastart.engines.base import (
+    EngineAdapter,
+    answering,
+    argument,
+    before_first_step,
+    hook,
+    load_through_hook,
+    unwrap,
+)
 from megastart.engines.verl_common import (
     BRIDGE_LOADERS,
-    load_through_hook,
     restore_log_level,
     shadowed,
     show_summaries,
     verl_context,
 )
-from megastart.manager import call_hook
 from megastart.records import EngineContext
 
 BUILDS = (
@@ -122,7 +128,7 @@ class VerlLegacyAdapter(EngineAdapter):
     def _around_build(
         self, wrapped: Callable[..., Any], worker: Any, args: Any, kwargs: Any
     ) -> Any:
-        with ExitStack() as build:
+        with ExitStack() as build, answering("on_model_load"):
 
             def after_bridge_made(make: Callable[..., Any], _: Any, a: Any, k: Any) -> Any:
                 result = make(*a, **k)
@@ -164,10 +170,11 @@ class VerlLegacyAdapter(EngineAdapter):
     def _after_recover_load(
         self, wrapped: Callable[..., Any], worker: Any, args: Any, kwargs: Any
     ) -> Any:
-        result = wrapped(*args, **kwargs)
+        with answering("post_recover_load"):
+            result = wrapped(*args, **kwargs)
         checkpoint = argument(wrapped, args, kwargs, 0)
         if checkpoint is not None:
-            call_hook(
+            hook(
                 "post_recover_load",
                 engine=self._context(worker, _trained_model(worker), is_restart=True),
                 checkpoint=str(checkpoint),
@@ -177,12 +184,11 @@ class VerlLegacyAdapter(EngineAdapter):
     def _before_first_step(
         self, wrapped: Callable[..., Any], worker: Any, args: Any, kwargs: Any
     ) -> Any:
-        before_first_step(
-            lambda: call_hook(
-                "pre_first_step", engine=self._context(worker, _trained_model(worker))
+        with answering("pre_first_step"):
+            before_first_step(
+                lambda: hook("pre_first_step", engine=self._context(worker, _trained_model(worker)))
             )
-        )
-        return wrapped(*args, **kwargs)
+            return wrapped(*args, **kwargs)
 
     # -- the host-agnostic view ----------------------------------------------
 

@@ -32,7 +32,6 @@ from megastart.distributed import (
     PEER_GRACE_S,
     Board,
     OwnGroups,
-    Sticky,
     all_or_none,
     broadcast_or_raise,
     check_agreed,
@@ -41,6 +40,7 @@ from megastart.distributed import (
     kept_control,
     node_key,
 )
+from megastart.distributed.sticky import LATCH
 from megastart.loader import pagecache, roles
 from megastart.loader.bridge import Untranslatable
 from megastart.loader.checkpoint import (
@@ -77,8 +77,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("megastart")
 
 
-_sticky = Sticky(PLUGIN)
-"""This process's failed load, refused again by every later one."""
+_sticky = LATCH
+"""The process's latch: a failed load (or hook) is refused again by every later load."""
 
 
 class Streamed(NamedTuple):
@@ -165,7 +165,9 @@ def load_hf_checkpoint(
         checkpoint is quantised (its weights would be cast without their scales).
     """
     with (
-        _sticky.guard(passes=(UnsupportedArchitecture, Untranslatable, QuantisedCheckpoint)),
+        _sticky.guard(
+            PLUGIN, passes=(UnsupportedArchitecture, Untranslatable, QuantisedCheckpoint)
+        ),
         discarding_control(),  # every rank's load fails with this one
     ):
         board = Board(PLUGIN)

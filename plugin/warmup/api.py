@@ -9,8 +9,10 @@ run the steps, each bounded by ``timeout_s``, and agree again. A failure on any
 rank is raised on every rank (:func:`megastart.distributed.all_or_none`).
 
 A failed warmup leaves communicators half-connected, so a second call in the
-same process (a host retrying its RPC) re-raises the first failure instead of
-issuing collectives that the other ranks will never match.
+same process (a host retrying its RPC) is refused by the process's one latch
+(:data:`megastart.distributed.sticky.LATCH`) instead of issuing collectives that
+the other ranks will never match. The hooks warm once per Megatron world: after
+``destroy_model_parallel`` the new world's groups are cold, and are warmed again.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from importlib import import_module
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from megastart.distributed.sticky import LATCH
+from megastart.distributed.world import OncePerWorld, capturing_cuda_graph
 from megastart.records import WarmupReport
 from megastart.warmup.settings import CommWarmupSettings
 
@@ -34,10 +38,12 @@ log = logging.getLogger("megastart")
 API_TRIGGER = "warmup_communicators"
 _WHEN = {"post_recover_load": "post_recover", "pre_first_step": "first_step"}
 
+PLUGIN = "comm_warmup"
+
 _report: WarmupReport | None = None
-"""This process's successful warmup."""
-_failure: BaseException | None = None
-"""This process's failed warmup, re-raised by every later call."""
+"""This process's last successful warmup."""
+_warmed = OncePerWorld()
+"""Whether the hooks warmed this Megatron world."""
 
 
 def warmup_communicators(
@@ -66,30 +72,26 @@ def warmup_communicators(
     :param parallel_state: the ``megatron.core.parallel_state`` module in use.
     :param trigger: what ran it, for the report.
     :raises megastart.distributed.CollectiveError: on every rank, if any rank
-        failed or did not arrive within ``timeout_s``; and on every later call.
+        failed or did not arrive within ``timeout_s``.
+    :raises megastart.distributed.FailedBefore: at once, when a warmup (or another
+        collective of megastart's) already failed in this process.
     :raises RuntimeError: when called inside a CUDA graph capture, touching nothing.
     """
-    global _report, _failure
+    global _report
     _refuse_inside_graph_capture()
-    if _failure is not None:
-        raise _failure
-    settings = settings if settings is not None else _settings()
-    if parallel_state is None:
-        parallel_state = import_module("megatron.core.parallel_state")
-    try:
+    with LATCH.guard(PLUGIN):
+        settings = settings if settings is not None else _settings()
+        if parallel_state is None:
+            parallel_state = import_module("megatron.core.parallel_state")
         _report = _warmup(settings, model_config, ddp_config, parallel_state, trigger)
-    except BaseException as e:
-        _failure = e
-        raise
+        _warmed.mark()
     return _report
 
 
 def _refuse_inside_graph_capture() -> None:
     """A collective issued while a CUDA graph is being captured is recorded into the graph, not
     run, or breaks the capture: the warmup belongs before the step is captured."""
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if capturing_cuda_graph():
         raise RuntimeError(
             "comm_warmup: called inside a CUDA graph capture (the current stream is capturing): "
             "its collectives would be recorded into the graph instead of connecting the "
@@ -98,22 +100,23 @@ def _refuse_inside_graph_capture() -> None:
 
 
 def warmup_for_engine(engine: EngineContext, trigger: str) -> WarmupReport | None:
-    """The ``comm_warmup`` hooks: warm once per process, at the hook ``when`` selects.
+    """The ``comm_warmup`` hooks: warm once per process and Megatron world, at the hook
+    ``when`` selects.
 
     :param trigger: ``"post_recover_load"`` or ``"pre_first_step"``.
     :returns: the report, or ``None`` when this hook is not the one to run it or
-        the warmup already ran in this process.
+        the warmup already ran in this world.
     """
     settings = _settings(engine)
     if settings.when != "both" and settings.when != _WHEN[trigger]:
         return None
-    if _report is not None:
+    if _warmed.done:
         return None
     first = engine.model_chunks[0] if engine.model_chunks else None
     return warmup_communicators(
         settings=settings,
         model_config=getattr(first, "config", None),
-        ddp_config=getattr(first, "ddp_config", None),  # when the host hands over DDP chunks
+        ddp_config=engine.ddp_config,
         parallel_state=engine.parallel_state,
         trigger=trigger,
     )
@@ -125,13 +128,15 @@ def last_report() -> WarmupReport | None:
 
 
 def reset_state() -> None:
-    """Forget this process's warmup, success or failure.
+    """Forget this process's warmup, success or failure (the process's latch too).
 
-    Only for a process that destroyed Megatron's parallel state and built a
-    new one (tests, demos): the new groups are cold again.
+    Only for a process that destroyed its process groups and built new ones
+    (tests, demos): the new groups are cold again.
     """
-    global _report, _failure
-    _report = _failure = None
+    global _report
+    _report = None
+    _warmed.clear()
+    LATCH.reset()
 
 
 def _warmup(

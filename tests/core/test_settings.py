@@ -88,7 +88,7 @@ def test_unknown_key_lists_valid_keys():
 def test_unknown_top_level_key_lists_valid_keys():
     with pytest.raises(
         SettingsError,
-        match=r"\['enable'\] in the top level; valid keys: \['enabled', 'blocklist', 'trace'\]",
+        match=r"\['enable'\] in the top level; valid keys: \['enabled', 'blocklist', 'trace', 'library_adapters'\]",
     ):
         resolve({"enable": False}, environ={}, sections=SECTIONS)
 

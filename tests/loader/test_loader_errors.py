@@ -507,7 +507,7 @@ def test_a_receiver_failing_mid_stream_is_named_on_every_rank_at_once_and_retrie
         assert seconds < 10, (rank, seconds)
         assert retry_kind == "FailedBefore"
         assert retry_message.startswith(
-            "rank0_loader: not run again: it already failed in this process (rank0_loader: "
+            "rank0_loader: not run: rank0_loader already failed in this process (rank0_loader: "
             "streaming"
         )
         assert "Restart the process" in retry_message

@@ -1,5 +1,6 @@
 """comm_warmup never hangs and never runs one-sided: a foreign group is never touched,
-a missing or failing rank makes every rank raise within timeout_s, and a retry re-raises."""
+a missing or failing rank makes every rank raise within timeout_s, and a retry is refused at
+once, chained to the first failure (the process's one latch)."""
 
 from __future__ import annotations
 
@@ -144,15 +145,18 @@ def warm_with_own_message_sizes() -> dict[str, Any]:
 
 
 def _attempt_twice(warmup: Any) -> dict[str, Any]:
-    errors = []
+    """Two calls: each error's kind, message, seconds and id, and the id of the retry's cause."""
+    errors, causes = [], []
     for _ in range(2):
         start = time.monotonic()
         try:
             warmup()
             errors.append(None)
+            causes.append(None)
         except Exception as e:
             errors.append((type(e).__name__, str(e), time.monotonic() - start, id(e)))
-    return {"absent": False, "first": errors[0], "retry": errors[1]}
+            causes.append(id(e.__cause__))
+    return {"absent": False, "first": errors[0], "retry": errors[1], "retry_cause": causes[-1]}
 
 
 def test_a_rank_that_never_arrives_makes_the_others_raise_within_timeout() -> None:
@@ -163,8 +167,10 @@ def test_a_rank_that_never_arrives_makes_the_others_raise_within_timeout() -> No
     assert kind == "CollectiveError"
     assert "did not all start the warmup" in message and "no communicator was touched" in message
     assert TIMEOUT_S - 0.5 <= seconds < TIMEOUT_S + 5
-    retry_kind, retry_message, retry_seconds, retry_id = present["retry"]
-    assert (retry_kind, retry_message, retry_id) == (kind, message, first_id)  # the same error
+    retry_kind, retry_message, retry_seconds, _ = present["retry"]
+    assert retry_kind == "FailedBefore" and present["retry_cause"] == first_id  # chained to it
+    assert retry_message.startswith("comm_warmup: not run: comm_warmup already failed")
+    assert message in retry_message
     assert retry_seconds < 0.5  # raised at once, no collective attempted
 
 
@@ -177,7 +183,8 @@ def test_a_rank_that_raises_makes_every_rank_raise_and_retries_reraise() -> None
         assert "comm_warmup: plan failed on rank 1" in message
         assert "use_ring_exchange_p2p" in message
         assert seconds < TIMEOUT_S
-        assert result["retry"][3] == first_id and result["retry"][2] < 0.5
+        assert result["retry"][0] == "FailedBefore"
+        assert result["retry_cause"] == first_id and result["retry"][2] < 0.5
 
 
 def test_ranks_with_different_settings_all_raise_before_any_operation() -> None:

@@ -153,7 +153,10 @@ def test_ray_actor_started_as_areals_ray_scheduler_starts_it_has_the_adapter_att
     assert out["on"]["wrapped_when_imported"] == sorted(
         name.split(".")[1] for name in ArealAdapter.wraps
     )
-    assert out["on"]["attached"] == {"areal.engine.megatron_engine": True}
+    attached = out["on"]["attached"]
+    assert attached["areal.engine.megatron_engine"] is True
+    # and the library adapters of what AReaL's engine imports, beneath it
+    assert attached["megatron.core.pipeline_parallel.schedules"] is True
     assert out["on"]["blocklist"] == ["comm_warmup"]
     assert out["off"]["wrapped_when_imported"] == [] and out["off"]["attached"] == {}
 

@@ -18,11 +18,11 @@ def _critic_values(checkpoint: str) -> dict:
     from areal_ranks import VALUE_HEADS_BEFORE_LOAD, engine_on_cpu
     from support.loader_ranks import TOKENS
 
-    from megastart.engines.areal import unwrap_chunk
+    from megastart.engines.base import unwrap_chunks
     from megastart.harness.model import forward_logits
 
     engine = engine_on_cpu(checkpoint, tp=2, critic=True)
-    chunks = [unwrap_chunk(chunk) for chunk in engine.model]
+    chunks = unwrap_chunks(list(engine.model))
     head = chunks[-1].output_layer.weight if chunks[-1].post_process else None
     return {
         "values": forward_logits(chunks, TOKENS, value_model=True),

@@ -79,7 +79,7 @@ def _retried_calls(checkpoint: str, fileroot: str) -> dict:
         zero_parameters,
     )
 
-    from megastart.engines.areal import HookFailedBefore
+    from megastart.distributed import FailedBefore
 
     engine = engine_on_cpu(checkpoint, tp=2, engine_class=recording_engine_class())
     save_recover_checkpoint(engine, fileroot)
@@ -97,7 +97,7 @@ def _retried_calls(checkpoint: str, fileroot: str) -> dict:
         try:
             call()
             retried[name] = "ran"
-        except HookFailedBefore as error:
+        except FailedBefore as error:
             retried[name] = f"{error} (cause: {error.__cause__})"
     return {"first": first, "retried": retried, "untouched": not any(parameter_sums(engine))}
 

@@ -40,7 +40,10 @@ def test_a_load_report_skips_verls_own_loader(pool, checkpoint):
         verl_cpu.load_on_rank, checkpoint, MEGASTART_VERL_PROBE_MODE="handle", **PROBE_ONLY
     )
     for out in ranks:
-        assert out["attached"] == {"verl.workers.engine.megatron.transformer_impl": True}
+        assert out["attached"]["verl.workers.engine.megatron.transformer_impl"] is True
+        # the library adapters beneath it are attached too, and passed through (one call)
+        assert out["attached"]["mbridge.core.bridge"] is True
+        assert out["attached"]["megatron.core.pipeline_parallel.schedules"] is True
         verl_cpu.check_probe_handled_load(out, checkpoint, "MegatronEngineWithLMHead")
 
 

@@ -24,6 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from support.mbridge_cpu import use_local_spec_in_mbridge
+
 TP = 2
 """Tensor-parallel size of the test engine (the pool's world size)."""
 
@@ -50,25 +52,6 @@ def save_tiny_qwen2(path: Path, *, reward_model: bool = False) -> None:
         transformers.Qwen2ForSequenceClassification(config).save_pretrained(path)
     else:
         transformers.Qwen2ForCausalLM(config).save_pretrained(path)
-
-
-def use_local_spec_in_mbridge() -> None:
-    from mbridge.core.llm_bridge import LLMBridge
-    from mbridge.models.qwen2 import Qwen2Bridge
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-    def local_spec(self: Any, vp_stage: int | None = None) -> Any:
-        return get_gpt_decoder_block_spec(
-            self.config, use_transformer_engine=False, vp_stage=vp_stage
-        )
-
-    LLMBridge._get_transformer_layer_spec = local_spec
-    layer = "model.layers.{layer_number}"
-    Qwen2Bridge._OTHER_MAPPING = {"input_layernorm.weight": [f"{layer}.input_layernorm.weight"]}
-    Qwen2Bridge._MLP_MAPPING = {
-        **Qwen2Bridge._MLP_MAPPING,
-        "pre_mlp_layernorm.weight": [f"{layer}.post_attention_layernorm.weight"],
-    }
 
 
 def build_engine(checkpoint: str, *, forward_only: bool, value_model: bool = False) -> Any:
@@ -388,14 +371,16 @@ def check_critic_from_reward_checkpoint(out: dict[str, Any], checkpoint: str) ->
 
 
 def check_same_weights_one_reader(ranks: list[dict[str, Any]]) -> str:
-    """:func:`loaders_on_rank` on every rank: only rank 0 read, and both loaders
-    wrote the same weights. Returns rank 0's summary line of the load."""
+    """:func:`loaders_on_rank` on every rank: only rank 0 read, both loaders wrote the same
+    weights, and each load made one hook call (the library adapter beneath verl's, on
+    mbridge's or Megatron-Bridge's loader, passed through). Returns rank 0's summary line
+    of the load."""
     import torch
 
+    calls = [line for line in ranks[0]["log"] if line.startswith("megastart: on_model_load ")]
+    assert len(calls) == 2, calls  # one per load: megastart's, then verl's own
     (summary,) = [
-        line
-        for line in ranks[0]["log"]
-        if line.startswith("megastart: on_model_load rank0_loader:")
+        line for line in calls if line.startswith("megastart: on_model_load rank0_loader:")
     ]
     assert "read by rank(s) [0]" in summary
     for out in ranks:

@@ -1,0 +1,70 @@
+"""What the library adapters share: the adapters of Megatron-Bridge, mbridge and megatron-core,
+which serve every host that loads and trains through those libraries (NeMo-RL, slime,
+ROLL, Megatron-LM, a plain script), and pass through where a host adapter above them
+answers the event (:func:`~megastart.engines.base.answered_above`).
+
+They see only what the library call carries: the model (chunks, possibly wrapped in
+megatron-core's DDP), megatron-core's ``parallel_state``, and what the library knows
+of the checkpoint. The ``library_adapters`` setting keeps them all detached.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, ClassVar, Literal
+
+from megastart.engines.base import EngineAdapter, training_device, unwrap_chunks
+from megastart.records import EngineContext
+
+log = logging.getLogger("megastart")
+
+
+class LibraryAdapter(EngineAdapter):
+    """An adapter on a library every Megatron host passes through."""
+
+    layer: ClassVar[Literal["host", "library"]] = "library"
+
+    def model_context(
+        self,
+        model: Any,
+        *,
+        hf_config: Any = None,
+        hf_bridge: Any = None,
+        is_restart: bool = False,
+    ) -> EngineContext:
+        """The ``EngineContext`` of ``model`` (a chunk or a list of chunks, wrapped or not)."""
+        from megatron.core import parallel_state
+
+        chunks = model if isinstance(model, list) else [model]
+        return self.engine_context(
+            model_chunks=unwrap_chunks(chunks),
+            parallel_state=parallel_state,
+            device=training_device(),
+            dtype=None,
+            hf_config=hf_config,
+            is_restart=is_restart,
+            hf_bridge=hf_bridge,
+            ddp_config=getattr(chunks[0], "ddp_config", None) if chunks else None,
+            extra={},
+        )
+
+
+def served_here(source: Any, library: str) -> str | None:
+    """``source`` as a checkpoint directory megastart can load, or ``None`` (with one line on
+    rank 0) where the library's own loader must: a source that is not a local directory,
+    or no process group to load over."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    if source is not None and os.path.isdir(str(source)):
+        return str(source)
+    if dist.get_rank() == 0:
+        log.warning(
+            "megastart: %s loads from %r, not a local checkpoint directory: left to %s",
+            library,
+            None if source is None else str(source),
+            library,
+        )
+    return None

@@ -1,0 +1,404 @@
+"""What each rank runs in the library-adapter tests: megastart activated as any host without a
+plugin group activates it (``megastart.activation.activate()``, what
+``AUTOWRAPT_BOOTSTRAP=megastart.bootstrap`` does at start-up), then Megatron-Bridge,
+mbridge and megatron-core called the way NeMo-RL, slime, ROLL and Megatron-LM call them.
+
+:class:`Recorder` is a megastart plugin registered in the rank: it records every hook call
+(and, wrapping ``on_model_load``, what the plugins returned), and how many micro-batches the
+schedule had run when ``pre_first_step`` was called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+import megastart
+from support.bridge_ranks import build as bridge_build
+from support.bridge_ranks import import_megatron_bridge, poison, state
+
+FORWARD_STEPS: list[int] = []
+"""Micro-batches run by :func:`forward_step` in this rank."""
+
+
+class Recorder:
+    """Every hook call of this rank, in order: ``(hook, detail)``."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+
+    @megastart.hookimpl(wrapper=True)
+    def on_model_load(self, engine: Any, checkpoint: str) -> Any:
+        report = yield
+        self.calls.append(("on_model_load", {"host": engine.host, "report": report is not None}))
+        return report
+
+    @megastart.hookimpl
+    def post_recover_load(self, engine: Any, checkpoint: str) -> None:
+        self.calls.append(
+            ("post_recover_load", {"host": engine.host, "restart": engine.is_restart})
+        )
+
+    @megastart.hookimpl
+    def pre_first_step(self, engine: Any) -> None:
+        self.calls.append(
+            ("pre_first_step", {"host": engine.host, "steps_before": len(FORWARD_STEPS)})
+        )
+
+
+@contextmanager
+def recording() -> Iterator[Recorder]:
+    """megastart activated in this rank, with a :class:`Recorder` registered while the block runs."""
+    from megastart.activation import activate
+    from megastart.manager import get_plugin_manager
+
+    activate()
+    recorder = Recorder()
+    pm = get_plugin_manager()
+    pm.register(recorder)
+    FORWARD_STEPS.clear()
+    try:
+        yield recorder
+    finally:
+        pm.unregister(recorder)
+
+
+def attached() -> list[str]:
+    """The host modules whose adapters are attached in this rank."""
+    from megastart.engines import adapters
+
+    return sorted(name for name, adapter in adapters().items() if adapter.attached)
+
+
+def bridge_load_hf_weights(checkpoint: str, layout: dict[str, int]) -> dict[str, Any]:
+    """``AutoBridge.load_hf_weights`` once with megastart answering above (the bridge's own
+    load) and once as a script calls it: both states, and the hooks each load reached."""
+    from megastart.engines.base import answering
+    from support.loader_ranks import megatron
+
+    with recording() as recorder, megatron(layout):
+        import_megatron_bridge()
+        bridge, chunks = bridge_build(checkpoint, layout)
+        poison(chunks)
+        with answering("on_model_load"):  # a host adapter above: the bridge loads itself
+            bridge.load_hf_weights(chunks, checkpoint)
+        theirs, calls_theirs = state(chunks), list(recorder.calls)
+        poison(chunks)
+        bridge.load_hf_weights(chunks, checkpoint)
+        return {
+            "theirs": theirs,
+            "ours": state(chunks),
+            "calls_theirs": calls_theirs,
+            "calls": recorder.calls[len(calls_theirs) :],
+            "attached": attached(),
+        }
+
+
+def provider_with_load_weights(checkpoint: str, layout: dict[str, int]) -> dict[str, Any]:
+    """NeMo-RL's import: ``to_megatron_provider(load_weights=True)`` and
+    ``provide_distributed_model``; this rank's state and hook calls, and the state of the
+    bridge's own ``load_hf_weights`` of the same model for comparison."""
+    from megastart.engines.base import answering
+    from support.loader_ranks import megatron
+
+    with recording() as recorder, megatron(layout):
+        import_megatron_bridge()
+        bridge, chunks = bridge_build(checkpoint, layout)
+        poison(chunks)
+        with answering("on_model_load"):
+            bridge.load_hf_weights(chunks, checkpoint)
+        theirs = state(chunks)
+        chunks = provide(bridge, layout, load_weights=True)
+        return {"theirs": theirs, "ours": state(chunks), "calls": recorder.calls}
+
+
+def provide(bridge: Any, layout: dict[str, int], *, load_weights: bool) -> list[Any]:
+    """The chunks of ``bridge.to_megatron_provider(load_weights)``, set up for the CPU as
+    :func:`support.bridge_ranks.build` does."""
+    from megastart.harness.model import cpu_block_spec
+    from support.bridge_ranks import CPU_OFF
+
+    provider = bridge.to_megatron_provider(load_weights=load_weights)
+    provider.transformer_layer_spec = cpu_block_spec
+    for fused in CPU_OFF:
+        if hasattr(provider, fused):
+            setattr(provider, fused, False)
+    provider.tensor_model_parallel_size = layout.get("tp", 1)
+    provider.pipeline_model_parallel_size = layout.get("pp", 1)
+    provider.sequence_parallel = False
+    provider.params_dtype = torch.float32
+    provider.finalize()
+    return provider.provide_distributed_model(
+        wrap_with_ddp=False, use_cpu_initialization=True, mixed_precision_wrapper=None
+    )
+
+
+def forward_step(data: Iterator[torch.Tensor], model: Any) -> tuple[torch.Tensor, Any]:
+    """Megatron's forward-step contract (:func:`megastart.demo.train._forward_step`), counted."""
+    from megastart.demo.train import _forward_step
+
+    FORWARD_STEPS.append(1)
+    return _forward_step(data, model)
+
+
+def cached_schedule_steps(checkpoint: str, layout: dict[str, int]) -> dict[str, Any]:
+    """A Megatron-LM / ROLL loop: the model in megatron-core's DDP, ``get_forward_backward_func()``
+    cached once, a forward-only pass (a log-prob pass) first, then two training passes."""
+    from megastart.warmup.api import last_report
+    from support.loader_ranks import build, megatron
+
+    with recording() as recorder, megatron(layout):
+        before = last_report()
+        chunks = build(checkpoint)
+        with ddp_schedule(chunks) as run:
+            run(forward_only=True)
+            run(forward_only=False)
+            run(forward_only=False)
+        return {
+            "calls": recorder.calls,
+            "steps": len(FORWARD_STEPS),
+            "warmup": warmed_since(before),
+            "attached": attached(),
+        }
+
+
+def warmed_since(before: Any) -> str | None:
+    """The trigger of this process's warmup if one ran since ``before`` (a report or ``None``)."""
+    from megastart.warmup.api import last_report
+
+    report = last_report()
+    return None if report is None or report is before else report.trigger
+
+
+@contextmanager
+def ddp_schedule(chunks: list[Any], micro_batches: int = 2) -> Iterator[Any]:
+    """``run(forward_only)``: one pass of the schedule ``get_forward_backward_func()``
+    returned once, over ``chunks[0]`` in megatron-core's DDP (CPU stand-ins of the demo)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megastart.demo.train import cuda_factories_on_cpu
+
+    config = chunks[0].config
+    vocab = chunks[0].vocab_size
+    tokens = torch.randint(
+        0, vocab, (micro_batches, 1, 17), generator=torch.Generator().manual_seed(0)
+    )
+    schedule = get_forward_backward_func()
+    with cuda_factories_on_cpu():
+        model = DistributedDataParallel(config, DistributedDataParallelConfig(), chunks[0])
+
+        def run(*, forward_only: bool) -> Any:
+            return schedule(
+                forward_step_func=forward_step,
+                data_iterator=iter(tokens),
+                model=[model],
+                num_microbatches=micro_batches,
+                seq_length=16,
+                micro_batch_size=1,
+                forward_only=forward_only,
+            )
+
+        yield run
+
+
+def nemo_rl_sequence(checkpoint: str, saved: str, layout: dict[str, int]) -> dict[str, Any]:
+    """NeMo-RL's start in one worker process: the HF checkpoint converted in a first Megatron
+    world (``to_megatron_provider(load_weights=True)``, ``provide_distributed_model``, saved
+    with ``dist_checkpointing``, as :mod:`megastart.demo.restart` does on CPU),
+    ``destroy_model_parallel()``, a second world initialised
+    and loaded from the saved checkpoint, then trained (a log-prob pass, two training
+    passes). The hook calls, the warmups per world, the process groups megastart's load
+    left behind, and whether the trained model holds the converted weights."""
+    from megatron.core import parallel_state
+
+    from megastart.demo.restart import restore_checkpoint, save_checkpoint
+    from megastart.harness.cpu import initialize_megatron
+    from megastart.warmup.api import last_report
+    from support.loader_ranks import megatron
+
+    with recording() as recorder:
+        with megatron(layout):  # the conversion world
+            before = last_report()
+            bridge = import_megatron_bridge().AutoBridge.from_hf_pretrained(checkpoint)
+            groups_before = process_groups()
+            converted = provide(bridge, layout, load_weights=True)
+            groups_left = process_groups() - groups_before
+            save_checkpoint(converted, saved)  # megatron-core's dist_checkpointing
+            warmup_in_conversion = warmed_since(before)
+            before = last_report()
+            parallel_state.destroy_model_parallel()  # as NeMo-RL does, then a new world
+            initialize_megatron(**layout)
+            chunks = provide(bridge, layout, load_weights=False)
+            restore_checkpoint(chunks, saved)  # a bare dist_checkpointing.load: no hook
+            same = not same_state_names(state(converted), state(chunks))
+            with ddp_schedule(chunks) as run:
+                run(forward_only=True)
+                run(forward_only=False)
+                run(forward_only=False)
+            warmup = warmed_since(before)
+    return {
+        "calls": recorder.calls,
+        "groups_left": len(groups_left),
+        "warmup_in_conversion": warmup_in_conversion,
+        "warmup": warmup,
+        "same": same,
+    }
+
+
+def same_state_names(theirs: dict[str, torch.Tensor], ours: dict[str, torch.Tensor]) -> list[str]:
+    """The tensors of two states that differ."""
+    return [n for n in theirs if not torch.equal(theirs[n], ours[n])]
+
+
+def process_groups() -> set[Any]:
+    """Every process group torch.distributed knows in this process."""
+    import torch.distributed.distributed_c10d as c10d
+
+    return set(c10d._world.pg_map)
+
+
+def mbridge_load_weights(checkpoint: str, layout: dict[str, int]) -> dict[str, Any]:
+    """mbridge's ``Bridge.load_weights`` into megastart's harness model (a Qwen2 checkpoint, on
+    Megatron's local spec: :mod:`support.mbridge_cpu`), once with megastart answering above
+    (mbridge's own load) and once as a script calls it."""
+    import mbridge
+
+    from megastart.engines.base import answering
+    from support.loader_ranks import build, megatron
+    from support.mbridge_cpu import use_local_spec_in_mbridge
+
+    use_local_spec_in_mbridge()
+    with recording() as recorder, megatron(layout):
+        bridge = mbridge.AutoBridge.from_pretrained(checkpoint, dtype=torch.float32)
+        chunks = build(checkpoint)
+        poison(chunks)
+        with answering("on_model_load"):
+            bridge.load_weights(chunks, checkpoint)
+        theirs, calls_theirs = state(chunks), list(recorder.calls)
+        poison(chunks)
+        bridge.load_weights(chunks, checkpoint)
+        return {
+            "theirs": theirs,
+            "ours": state(chunks),
+            "calls_theirs": calls_theirs,
+            "calls": recorder.calls[len(calls_theirs) :],
+            "attached": attached(),
+        }
+
+
+def megatron_lm_resume(
+    checkpoint: str, saved: str, layout: dict[str, int], loader: str = "megatron-lm"
+) -> dict[str, Any]:
+    """Megatron-LM's (and slime's) resume: ``save_checkpoint`` at iteration 5 of the model in
+    megatron-core's DDP, then ``load_checkpoint`` into a fresh one, as ``pretrain`` calls them
+    (``torch_dist``, no optimizer, no RNG); then a fresh start's load of a directory without a
+    checkpoint (iteration 0). ``loader="megatron-bridge"`` resumes with Megatron-Bridge's
+    ``load_checkpoint`` instead (NeMo-RL's), which reads Megatron-LM's checkpoints. The hook
+    calls, the iterations, and whether the resumed model holds the saved weights."""
+    import sys
+
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.num_microbatches_calculator import (
+        destroy_num_microbatches_calculator,
+        init_num_microbatches_calculator,
+    )
+
+    from megastart.activation import activate
+    from support.te_stub import import_with_te_stub
+
+    activate()  # before the import, as AUTOWRAPT_BOOTSTRAP activates at start-up
+    import_with_te_stub("megatron.training.checkpointing")  # Python 3.12's typing.override
+    from megatron.training import global_vars
+    from megatron.training.arguments import parse_args
+    from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+
+    from megastart.demo.restart import _writer_processes_allowed
+    from megastart.demo.train import cuda_factories_on_cpu
+    from megastart.warmup.api import last_report
+    from support.loader_ranks import build, megatron
+
+    argv, sys.argv = sys.argv, ["pretrain_gpt.py"]
+    try:
+        args = parse_args(ignore_unknown_args=True)
+    finally:
+        sys.argv = argv
+    args.tensor_model_parallel_size = layout.get("tp", 1)
+    args.pipeline_model_parallel_size = layout.get("pp", 1)
+    args.save = args.load = saved
+    args.ckpt_format = "torch_dist"
+    args.no_save_optim = args.no_load_optim = args.no_save_rng = args.no_load_rng = True
+    args.exit_on_missing_checkpoint = False
+    args.use_dist_ckpt = True  # what validate_args derives from ckpt_format
+    global_vars.set_args(args)
+    # what Megatron-LM's initialize_megatron sets up before any load
+    init_num_microbatches_calculator(0, None, 1, 1, 1)
+    with recording() as recorder, megatron(layout), cuda_factories_on_cpu():
+        before = last_report()
+
+        def ddp_model() -> list[Any]:
+            chunk = build(checkpoint)[0]
+            return [DistributedDataParallel(chunk.config, DistributedDataParallelConfig(), chunk)]
+
+        trained = ddp_model()
+        cuda_rng_state = torch.cuda.get_rng_state  # saved with the checkpoint: none on CPU
+        torch.cuda.get_rng_state = lambda device="cuda": torch.empty(0, dtype=torch.uint8)
+        try:
+            with _writer_processes_allowed():
+                save_checkpoint(5, trained, None, None, 0)
+        finally:
+            torch.cuda.get_rng_state = cuda_rng_state
+        load = load_checkpoint if loader == "megatron-lm" else bridge_loader(args)
+        resumed = ddp_model()
+        iteration, _ = load(resumed, None, None)
+        warmup = warmed_since(before)
+        same = not same_state_names(state(trained), state(resumed))
+        args.load = saved + "-empty"
+        fresh, _ = load(ddp_model(), None, None)
+        destroy_num_microbatches_calculator()
+        return {
+            "calls": recorder.calls,
+            "iterations": (iteration, fresh),
+            "same": same,
+            "warmup": warmup,
+        }
+
+
+def bridge_loader(args: Any) -> Any:
+    """Megatron-Bridge's ``load_checkpoint(state, model, optimizer, scheduler)`` as NeMo-RL calls
+    it, with a state of the fields a model-only ``torch_dist`` resume reads (its
+    ``CheckpointConfig``; ``args.load`` read at each call)."""
+    from types import SimpleNamespace
+
+    from support.te_stub import import_with_te_stub
+
+    load_checkpoint = import_with_te_stub("megatron.bridge.training.checkpointing").load_checkpoint
+    from megatron.bridge.training.config import CheckpointConfig
+
+    def load(model: Any, optimizer: Any, scheduler: Any) -> Any:
+        checkpoint = CheckpointConfig(
+            load=args.load, ckpt_format="torch_dist", load_optim=False, load_rng=False
+        )
+        cfg = SimpleNamespace(
+            checkpoint=checkpoint,
+            model=SimpleNamespace(
+                tensor_model_parallel_size=args.tensor_model_parallel_size,
+                pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                fp16=False,
+                bf16=False,
+            ),
+            optimizer=SimpleNamespace(use_distributed_optimizer=False),
+            rng=SimpleNamespace(data_parallel_random_init=False),
+            ddp=SimpleNamespace(use_megatron_fsdp=False),
+            peft=None,
+        )
+        loggers = dict.fromkeys(("wandb_logger", "mlflow_logger", "comet_logger"))
+        state = SimpleNamespace(
+            cfg=cfg, train_state=None, fault_tolerance_state=SimpleNamespace(), **loggers
+        )
+        return load_checkpoint(state, model, optimizer, scheduler)
+
+    return load
