@@ -10,6 +10,7 @@ code is checked before it goes to the GPU machine.
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,10 +33,16 @@ def megatron_on(device: str, layout: dict[str, int]) -> Iterator[None]:
     from megastart.loader.api import reset_state
     from megastart.warmup.api import reset_state as reset_warmup
 
+    # each model sets TE's attention variables (NVTE_FUSED_ATTN, ...) for its attention backend
+    # and refuses values another left: as in a user's process, each starts without them
+    attention = {k: v for k, v in os.environ.items() if k.startswith("NVTE_") and "_ATTN" in k}
     initialize_megatron(**layout, device=device)
     try:
         yield
     finally:
+        for k in [k for k in os.environ if k.startswith("NVTE_") and "_ATTN" in k]:
+            del os.environ[k]
+        os.environ.update(attention)
         destroy_megatron()
         reset_state()
         reset_warmup()
