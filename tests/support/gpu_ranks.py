@@ -192,6 +192,27 @@ def local_name(te_name: str) -> str:
     return te_name
 
 
+DOWN_PROJECTION = re.compile(r"self_attention\.linear_(q|kv)_down_proj\.weight$")
+"""MLA's down projections: Transformer Engine's spec holds them whole on every TP rank
+(``TELinear``, duplicated); the local spec splits their rows over TP (``ColumnParallelLinear``)."""
+
+
+def whole_down_projections(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The local spec's parameters with its MLA down projections' TP shards gathered whole
+    (rows in TP rank order), as Transformer Engine's spec holds them."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    size = dist.get_world_size(group)
+    out = dict(local)
+    for name in sorted(n for n in local if DOWN_PROJECTION.search(n)):
+        shards = [torch.empty_like(local[name]) for _ in range(size)]
+        dist.all_gather(shards, local[name].contiguous(), group=group)
+        out[name] = torch.cat(shards)
+    return out
+
+
 def te_load_and_local_load(checkpoint: str, layout: dict[str, int], device: str) -> dict[str, Any]:
     """Several ranks sharing the GPU over gloo: this rank's load of the Transformer Engine model
     with CUDA parameters, and what differs from its load, in the same layout, of the model with
@@ -205,6 +226,8 @@ def te_load_and_local_load(checkpoint: str, layout: dict[str, int], device: str)
         local = build_gpt_chunks(AutoConfig.from_pretrained(checkpoint), dtype=DTYPE)
         load_hf_checkpoint(local, checkpoint, settings=settings())
         reference = parameters(local)
+        if device == "cuda":  # Transformer Engine's spec
+            reference = whole_down_projections(reference)
         del local
     with megatron_on(device, layout):
         chunks = build_te(checkpoint, device)
