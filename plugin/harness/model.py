@@ -107,6 +107,8 @@ def build_gpt_chunks(
             mtp_block_spec=mtp,
             vp_stage=stage,
         )
+        if te:  # as Megatron's get_model: the router's weight is made on the CPU
+            chunk.cuda(torch.cuda.current_device())
         chunk.hf_config = hf_config  # what forward_logits and loaders map back to
         chunks.append(chunk.eval())
     return chunks

@@ -39,9 +39,9 @@ def build(
         for fused in CPU_OFF:
             if hasattr(provider, fused):
                 setattr(provider, fused, False)
-    else:
+        provider.moe_token_dispatcher_type = "allgather"
+    else:  # the provider's own dispatcher (alltoall: its shared-expert overlap needs it)
         provider.moe_grouped_gemm = bool(getattr(provider, "num_moe_experts", None))
-    provider.moe_token_dispatcher_type = "allgather"
     provider.tensor_model_parallel_size = layout.get("tp", 1)
     provider.pipeline_model_parallel_size = layout.get("pp", 1)
     provider.virtual_pipeline_model_parallel_size = layout.get("vpp")

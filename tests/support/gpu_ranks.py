@@ -10,6 +10,7 @@ code is checked before it goes to the GPU machine.
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,10 +33,16 @@ def megatron_on(device: str, layout: dict[str, int]) -> Iterator[None]:
     from megastart.loader.api import reset_state
     from megastart.warmup.api import reset_state as reset_warmup
 
+    # each model sets TE's attention variables (NVTE_FUSED_ATTN, ...) for its attention backend
+    # and refuses values another left: as in a user's process, each starts without them
+    attention = {k: v for k, v in os.environ.items() if k.startswith("NVTE_") and "_ATTN" in k}
     initialize_megatron(**layout, device=device)
     try:
         yield
     finally:
+        for k in [k for k in os.environ if k.startswith("NVTE_") and "_ATTN" in k]:
+            del os.environ[k]
+        os.environ.update(attention)
         destroy_megatron()
         reset_state()
         reset_warmup()
@@ -185,6 +192,27 @@ def local_name(te_name: str) -> str:
     return te_name
 
 
+DOWN_PROJECTION = re.compile(r"self_attention\.linear_(q|kv)_down_proj\.weight$")
+"""MLA's down projections: Transformer Engine's spec holds them whole on every TP rank
+(``TELinear``, duplicated); the local spec splits their rows over TP (``ColumnParallelLinear``)."""
+
+
+def whole_down_projections(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The local spec's parameters with its MLA down projections' TP shards gathered whole
+    (rows in TP rank order), as Transformer Engine's spec holds them."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    size = dist.get_world_size(group)
+    out = dict(local)
+    for name in sorted(n for n in local if DOWN_PROJECTION.search(n)):
+        shards = [torch.empty_like(local[name]) for _ in range(size)]
+        dist.all_gather(shards, local[name].contiguous(), group=group)
+        out[name] = torch.cat(shards)
+    return out
+
+
 def te_load_and_local_load(checkpoint: str, layout: dict[str, int], device: str) -> dict[str, Any]:
     """Several ranks sharing the GPU over gloo: this rank's load of the Transformer Engine model
     with CUDA parameters, and what differs from its load, in the same layout, of the model with
@@ -198,6 +226,8 @@ def te_load_and_local_load(checkpoint: str, layout: dict[str, int], device: str)
         local = build_gpt_chunks(AutoConfig.from_pretrained(checkpoint), dtype=DTYPE)
         load_hf_checkpoint(local, checkpoint, settings=settings())
         reference = parameters(local)
+        if device == "cuda":  # Transformer Engine's spec
+            reference = whole_down_projections(reference)
         del local
     with megatron_on(device, layout):
         chunks = build_te(checkpoint, device)
