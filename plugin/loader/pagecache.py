@@ -142,10 +142,7 @@ class Window:
         while it copies them, not every page it touched in the load. Best effort: a range the
         kernel will not drop (a locked one) stays mapped, which costs memory accounting only."""
         for _, data, first, end in self._pages():
-            length = -(-(end - first) // mmap.PAGESIZE) * mmap.PAGESIZE
-            _libc().madvise(
-                ctypes.c_void_p(data.data_ptr() + first), ctypes.c_size_t(length), _DONTNEED
-            )
+            drop_pages(data, first, end - first)
 
     def resident_slots(self, slots: Iterable[Slot]) -> tuple[list[Slot], list[Slot]]:
         """``slots`` split into those whose pages were all in the page cache when the load
@@ -254,6 +251,14 @@ def resident(data: torch.Tensor, offset: int, length: int) -> bool:
     """Whether ``length`` bytes of the mapping ``data`` from ``offset`` (page-aligned) are all in
     the page cache (``mincore``: asks the kernel, reads nothing)."""
     return 0 not in residency(data, offset, length)
+
+
+def drop_pages(data: torch.Tensor, offset: int, length: int) -> None:
+    """Drop ``length`` bytes of the mapping ``data`` from ``offset`` (page-aligned) from this
+    process's page tables (``MADV_DONTNEED``): the mapping and the page cache stay, and a
+    page pinned for CUDA stays pinned. Best effort (see :meth:`Window.release`)."""
+    length = -(-length // mmap.PAGESIZE) * mmap.PAGESIZE
+    _libc().madvise(ctypes.c_void_p(data.data_ptr() + offset), ctypes.c_size_t(length), _DONTNEED)
 
 
 def residency(data: torch.Tensor, offset: int, length: int) -> bytes:
