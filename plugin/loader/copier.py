@@ -99,7 +99,7 @@ class Copier:
         self, mappings: FileMappings, plan: Plan, mine: Callable[[Any], list[Slot]]
     ) -> None:
         """Start registering the blocks of ``mappings`` this rank copies from (CUDA only)."""
-        from megastart.loader.pagecache import resident
+        from megastart.loader.pagecache import drop_pages, resident
 
         if self._device.type != "cuda" or self._registrations is not None:
             return
@@ -108,6 +108,7 @@ class Copier:
             self._driver or registration.cuda_driver(self._device),
             blocks,
             lambda block: resident(block.mapping, block.offset, block.nbytes),
+            lambda block: drop_pages(block.mapping, block.offset, block.nbytes),
         )
 
     @contextmanager

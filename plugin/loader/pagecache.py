@@ -77,6 +77,7 @@ class FileMappings:
     def __init__(self, meta: CheckpointMeta) -> None:
         self.meta = meta
         self._maps: dict[str, torch.Tensor] = {}
+        self._residency: dict[str, bytes] = {}
         self._lock = threading.Lock()
 
     def __getitem__(self, file: str) -> torch.Tensor:
@@ -92,10 +93,14 @@ class FileMappings:
                     os.close(fd)
             return data
 
-    def close(self) -> None:
-        """Drop this object's references (a mapping goes once no view of it is left)."""
-        with self._lock:
-            self._maps.clear()
+    def were_resident(self, file: str, first: int, end: int) -> bool:
+        """Whether bytes ``[first, end)`` of ``file`` were all in the page cache when this rank
+        first asked about the file: one ``mincore`` per file and load, not one per slot."""
+        pages = self._residency.get(file)
+        if pages is None:
+            data = self[file]
+            pages = self._residency[file] = residency(data, 0, data.numel())
+        return 0 not in pages[first // mmap.PAGESIZE : -(-end // mmap.PAGESIZE)]
 
 
 class Window:
@@ -110,12 +115,13 @@ class Window:
             slot.name: meta.tensors[slot.name].row_range(slot.rows.start, slot.rows.stop)
             for slot in slots
         }
+        self.mappings = mappings
         self._maps = {
-            entry.file: (0, mappings[entry.file])
+            entry.file: mappings[entry.file]
             for entry in self.entries.values()
             if entry.end > entry.start
         }
-        """Per file: the offset its mapping starts at, and the mapping as bytes."""
+        """Per file: its mapping, as bytes."""
 
     def view(self, slot: Slot) -> torch.Tensor:
         """The slot's rows as the file holds them (the checkpoint's dtype), shaped as the slot."""
@@ -125,16 +131,10 @@ class Window:
         dtype = getattr(torch, entry.dtype)
         if entry.end <= entry.start:
             return torch.empty(slot.shape, dtype=dtype)
-        start, data = self._maps[entry.file]
-        raw = data[entry.start - start : entry.end - start]
+        raw = self._maps[entry.file][entry.start : entry.end]
         if entry.start % ITEMSIZE[entry.dtype]:  # safetensors does not promise aligned tensors
             raw = raw.clone()
         return raw.view(dtype).view(slot.shape)
-
-    def resident(self) -> bool:
-        """Whether every slot's pages are in the page cache already (a warm load): then a rank
-        may copy them without waiting for the reader, who reads nothing for them."""
-        return all(resident(data, first, end - first) for _, data, first, end in self._pages())
 
     def release(self) -> None:
         """Drop the slots' pages from this process's page tables (``MADV_DONTNEED``), keeping
@@ -142,19 +142,19 @@ class Window:
         while it copies them, not every page it touched in the load. Best effort: a range the
         kernel will not drop (a locked one) stays mapped, which costs memory accounting only."""
         for _, data, first, end in self._pages():
-            length = -(-(end - first) // mmap.PAGESIZE) * mmap.PAGESIZE
-            _libc().madvise(
-                ctypes.c_void_p(data.data_ptr() + first), ctypes.c_size_t(length), _DONTNEED
-            )
+            drop_pages(data, first, end - first)
 
     def resident_slots(self, slots: Iterable[Slot]) -> tuple[list[Slot], list[Slot]]:
-        """``slots`` split into those whose pages are all in the page cache and the others."""
+        """``slots`` split into those whose pages were all in the page cache when the load
+        started (:meth:`FileMappings.were_resident`: a warm load's) and the others, which the
+        reader reads."""
         here: list[Slot] = []
         not_yet: list[Slot] = []
-        pages = {entry.name: (data, first, end) for entry, data, first, end in self._pages()}
         for slot in slots:
-            data, first, end = pages.get(slot.name, (None, 0, 0))
-            cached = data is None or resident(data, first, end - first)
+            entry = self.entries[slot.name]
+            cached = entry.end <= entry.start or self.mappings.were_resident(
+                entry.file, entry.start, entry.end
+            )
             # an FP8 weight is dequantised with its scales: it waits with them
             if slot.name + SCALE_SUFFIX in {s.name for s in not_yet}:
                 cached = False
@@ -179,9 +179,8 @@ class Window:
         holds them (from the first page of the slot's bytes to their end)."""
         for entry in self.entries.values():
             if entry.end > entry.start:
-                start, data = self._maps[entry.file]
-                first = (entry.start - start) // mmap.PAGESIZE * mmap.PAGESIZE
-                yield entry, data, first, entry.end - start
+                first = entry.start // mmap.PAGESIZE * mmap.PAGESIZE
+                yield entry, self._maps[entry.file], first, entry.end
 
 
 def map_file(fd: int, offset: int, length: int) -> torch.Tensor:
@@ -251,9 +250,25 @@ def populate(entry: TensorEntry, data: torch.Tensor, offset: int, length: int) -
 def resident(data: torch.Tensor, offset: int, length: int) -> bool:
     """Whether ``length`` bytes of the mapping ``data`` from ``offset`` (page-aligned) are all in
     the page cache (``mincore``: asks the kernel, reads nothing)."""
+    return 0 not in residency(data, offset, length)
+
+
+def drop_pages(data: torch.Tensor, offset: int, length: int) -> None:
+    """Drop ``length`` bytes of the mapping ``data`` from ``offset`` (page-aligned) from this
+    process's page tables (``MADV_DONTNEED``): the mapping and the page cache stay, and a
+    page pinned for CUDA stays pinned. Best effort (see :meth:`Window.release`)."""
+    length = -(-length // mmap.PAGESIZE) * mmap.PAGESIZE
+    _libc().madvise(ctypes.c_void_p(data.data_ptr() + offset), ctypes.c_size_t(length), _DONTNEED)
+
+
+def residency(data: torch.Tensor, offset: int, length: int) -> bytes:
+    """Per page of ``length`` bytes of the mapping ``data`` from ``offset`` (page-aligned): 1 if
+    it is in the page cache, else 0 (all 0 where the kernel cannot tell)."""
     address = ctypes.c_void_p(data.data_ptr() + offset)
     pages = (ctypes.c_ubyte * ((length + mmap.PAGESIZE - 1) // mmap.PAGESIZE))()
-    return _libc().mincore(address, ctypes.c_size_t(length), pages) == 0 and 0 not in bytes(pages)
+    if _libc().mincore(address, ctypes.c_size_t(length), pages) != 0:
+        return bytes(len(pages))
+    return bytes(pages)
 
 
 class Frontier:

@@ -134,10 +134,17 @@ class Registrations:
 
     :param resident: whether a block's pages are all in the page cache (the others are
         left unregistered).
+    :param unmap: drops a block's pages from the process's page tables once registered
+        (pinning maps them all, the other ranks' rows too: a rank's memory would count
+        every block it registered until the load ends; the pages stay pinned).
     """
 
     def __init__(
-        self, driver: Driver, blocks: Sequence[Block], resident: Callable[[Block], bool]
+        self,
+        driver: Driver,
+        blocks: Sequence[Block],
+        resident: Callable[[Block], bool],
+        unmap: Callable[[Block], None] = lambda block: None,
     ) -> None:
         self._driver = driver
         self._by_address = sorted(blocks, key=lambda block: block.address)
@@ -155,6 +162,7 @@ class Registrations:
         self.seconds = 0.0
         """Time spent registering (on the registration thread, overlapped with the copies)."""
         self._worker = ThreadPoolExecutor(1, "megastart-register")
+        self._unmap = unmap
         self._work = self._worker.submit(self._register, list(blocks), resident)
 
     def covering(self, address: int, nbytes: int) -> list[tuple[int, int]] | None:
@@ -234,6 +242,7 @@ class Registrations:
             return
         self._registered[block.address] = block
         self.nbytes += block.nbytes
+        self._unmap(block)
 
     def _unregister_all(self) -> None:
         failed = []

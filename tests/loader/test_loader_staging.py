@@ -175,6 +175,41 @@ def test_registration_runs_at_most_its_lead_ahead_of_the_copies() -> None:
     assert len(driver.unregistered) == len(driver.registered)
 
 
+def test_registered_blocks_leave_the_page_tables_once_registered() -> None:
+    data = torch.zeros(3 * BLOCK_BYTES, dtype=torch.uint8)
+    blocks = [Block(data.data_ptr() + i * BLOCK_BYTES, BLOCK_BYTES, data, 0) for i in range(3)]
+    unmapped: list[Block] = []
+    registrations = Registrations(Recorder(refuse_after=2), blocks, lambda b: True, unmapped.append)
+    registrations.close()
+    assert unmapped == blocks[:2]  # the refused one was never registered
+
+
+def rss_file_kb() -> int:
+    """This process's resident pages of mapped files (``RssFile``), in kB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssFile:"):
+            return int(line.split()[1])
+    raise AssertionError("no RssFile in /proc/self/status")
+
+
+def test_dropped_pages_leave_the_process_and_stay_readable(tmp_path: Path) -> None:
+    from megastart.loader.pagecache import drop_pages, map_file
+
+    path = tmp_path / "shard.bin"
+    expected = torch.randint(0, 255, (32 << 20,), dtype=torch.uint8)
+    path.write_bytes(expected.numpy().tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        data = map_file(fd, 0, path.stat().st_size)
+    finally:
+        os.close(fd)
+    assert torch.equal(data, expected)  # every page touched: in this process's page tables
+    touched = rss_file_kb()
+    drop_pages(data, 0, data.numel())
+    assert rss_file_kb() <= touched - 24 * 1024  # most of the 32 MiB left the process
+    assert torch.equal(data, expected)  # and the mapping still reads the file
+
+
 def test_a_copy_across_blocks_is_split_at_their_boundary() -> None:
     data = torch.zeros(2 * BLOCK_BYTES, dtype=torch.uint8)
     base = data.data_ptr()
