@@ -164,7 +164,7 @@ class ArealAdapter(EngineAdapter):
                 meta.path,
             )
         self._resolve_deferred(instance)
-        with answering("post_recover_load"):
+        with answering("post_recover_load", "on_model_load"):  # weights a resume reads are its own
             result = wrapped(*args, **kwargs)
         if recover:
             self._restarted.add(instance)

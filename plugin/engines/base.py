@@ -217,10 +217,10 @@ _answering: ContextVar[frozenset[str]] = ContextVar("megastart_answering", defau
 
 
 @contextmanager
-def answering(event: str) -> Iterator[None]:
-    """Mark hook ``event`` as answered by this adapter while the block (the host's own
+def answering(*events: str) -> Iterator[None]:
+    """Mark hooks ``events`` as answered by this adapter while the block (the host's own
     call) runs: a library adapter the call reaches passes through."""
-    token = _answering.set(_answering.get() | {event})
+    token = _answering.set(_answering.get() | set(events))
     try:
         yield
     finally:

@@ -170,7 +170,7 @@ class VerlLegacyAdapter(EngineAdapter):
     def _after_recover_load(
         self, wrapped: Callable[..., Any], worker: Any, args: Any, kwargs: Any
     ) -> Any:
-        with answering("post_recover_load"):
+        with answering("post_recover_load", "on_model_load"):  # weights a resume reads are its own
             result = wrapped(*args, **kwargs)
         checkpoint = argument(wrapped, args, kwargs, 0)
         if checkpoint is not None:

@@ -31,7 +31,27 @@ def test_status_json_has_the_documented_keys():
         "installed_version": "1.0.0",
         "compatible": False,
         "reason": "requested megastart-toyplugin>=99 but found megastart-toyplugin 1.0.0",
+        "layer": "host",
+        "serves": [],
+        "would_attach": False,
     }
+
+
+@pytest.mark.parametrize("setting", ["1", "0"])
+def test_status_shows_which_library_adapters_would_attach_and_for_which_hosts(setting: str):
+    out = json.loads(status("status", "--json", MEGASTART_LIBRARY_ADAPTERS=setting).stdout)
+    library = {e["name"]: e for e in out["engines"] if e["layer"] == "library"}
+    schedules = library["megatron.core.pipeline_parallel.schedules"]
+    assert schedules["host"] == "megatron-core" and "NeMo-RL" in schedules["serves"]
+    assert schedules["installed_version"] == metadata.version("megatron-core")
+    assert schedules["would_attach"] is (setting == "1")
+    assert "megatron.bridge.models.conversion.model_bridge" in library
+    assert "mbridge.core.bridge" in library
+    # reached through whichever host imports the library: no activation row of their own
+    assert not {e["host"] for e in library.values()} & set(out["activation"]["hosts"])
+    text = status("status", MEGASTART_LIBRARY_ADAPTERS=setting).stdout
+    shown = "library_adapters=on" if setting == "1" else "library_adapters=OFF"
+    assert shown in text and "for: NeMo-RL" in text
 
 
 def test_status_json_shows_blocked_plugins_and_setting_sources():

@@ -148,7 +148,7 @@ def test_a_resume_through_load_checkpoint_runs_post_recover_load_once_and_a_fres
     warmup there; a load that finds no checkpoint (iteration 0) fires nothing."""
     if importlib.util.find_spec("megatron.training") is None:
         pytest.skip("megatron.training ships with megatron-core wheels from 0.19")
-    from support.library_ranks import megatron_lm_resume
+    from support.resume_ranks import megatron_lm_resume
 
     saved = str(tmp_path / "saved")
     runs = rank_pools[2].run(megatron_lm_resume, qwen3, saved, {"tp": 2}, loader)
