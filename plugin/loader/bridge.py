@@ -35,6 +35,8 @@ TRANSLATED = {
     "DirectMapping": "replicated",
     "QKVMapping": "qkv",
     "GatedMLPMapping": "gate_up",
+    "FusedExpertMapping": "",  # one expert of an [E, ...] tensor, then its module's parallelism
+    "FusedGatedExpertMapping": "fused_gated_expert",  # one expert's gate/up of an [E, ...] tensor
 }
 """Megatron-Bridge's standard mapping classes (by exact class) and the transforms that
 reproduce them; ``AutoMapping`` takes its module's."""
@@ -75,8 +77,18 @@ class BridgeTable(MappingTable):
 
 
 def model_bridge(bridge: Any) -> Any:
-    """The ``MegatronModelBridge`` of an ``AutoBridge`` (or the bridge itself)."""
-    return bridge._model_bridge if hasattr(bridge, "_model_bridge") else bridge
+    """The ``MegatronModelBridge`` of an ``AutoBridge`` (or the bridge itself), holding the
+    checkpoint it loads as the bridge's own load gives it one (``build_conversion_tasks``):
+    from 0.6 a registry picks fused or per-expert expert mappings from the checkpoint's keys
+    (``moe_experts_stored_packed``), and some read its config (GLM-4.5, gpt-oss)."""
+    if not hasattr(bridge, "_model_bridge"):
+        return bridge
+    inner = bridge._model_bridge  # a new one on every access
+    pretrained = getattr(bridge, "hf_pretrained", None)
+    if pretrained is not None:
+        inner.hf_pretrained = pretrained
+        inner.hf_config = getattr(pretrained, "config", pretrained)
+    return inner
 
 
 def check_hooks(bridge: Any) -> None:
@@ -154,13 +166,15 @@ def _rule(bridge: Any, mapping: Any, canonical: str, module: Any) -> Rule:
     hf = mapping.hf_param
     names = (hf,) if isinstance(hf, str) else tuple(hf[k] for k in _INPUTS[kind])
     transform = TRANSLATED[kind]
-    if kind == "AutoMapping":
+    if kind in ("AutoMapping", "FusedExpertMapping"):
         try:
             transform = _BY_PARALLELISM[mapping._detect_parallelism_type(module)]
         except ValueError as e:
             raise Untranslatable(
                 f"Megatron-Bridge's {type(bridge).__name__}: {e}".splitlines()[0]
             ) from None
+    if kind == "FusedGatedExpertMapping":
+        return Rule((canonical,), names, f"{transform}:{_expert_number(canonical)}")
     if transform == "column_parallel" and canonical in _VOCAB:
         transform = "vocab"
     if mapping.is_expert:
@@ -170,7 +184,16 @@ def _rule(bridge: Any, mapping: Any, canonical: str, module: Any) -> Rule:
                 f"Megatron-Bridge's {type(bridge).__name__} maps the expert parameter "
                 f"{canonical!r} with {kind} ({transform}), which megastart does not translate"
             )
+    if kind == "FusedExpertMapping":
+        transform = f"fused_expert:{_expert_number(canonical)}:{transform}"
     return Rule((canonical,), names, transform)
+
+
+def _expert_number(canonical: str) -> int:
+    """The (global) expert a fused mapping takes from dim 0, found as the bridge finds it."""
+    from megatron.bridge.utils.common_utils import extract_expert_number_from_param
+
+    return int(extract_expert_number_from_param(canonical))
 
 
 _INPUTS = {"QKVMapping": ("q", "k", "v"), "GatedMLPMapping": ("gate", "up")}

@@ -253,14 +253,114 @@ def _expert_shard(shard: Shard) -> Shard:
     return replace(shard, tp_rank=shard.expert_tp_rank, tp_size=shard.expert_tp_size)
 
 
-TRANSFORMS: dict[str, Transform] = {
-    "replicated": Replicated(),
-    "row_parallel": RowParallel(),
-    "column_parallel": ColumnParallel(),
-    "vocab": Vocab(),
-    "gate_up": GateUp(),
-    "qkv": Qkv(),
-    "expert_gate_up": ExpertTensorParallel(GateUp()),
-    "expert_row_parallel": ExpertTensorParallel(RowParallel()),
-}
-"""Transform name (as used in mapping rules) -> transform."""
+class FusedExpert(_RowBlocks):
+    """Expert ``expert`` of an HF tensor holding every expert along dim 0 (``[E, ...]``:
+    Megatron-Bridge's ``FusedExpertMapping``), made by ``inner`` from that expert's slice.
+
+    The HF tensor's rows are experts, so a row block holds whole experts and this one's
+    slice is taken from the block that holds it, never from the whole tensor.
+    """
+
+    def __init__(self, expert: int, inner: Transform) -> None:
+        self.expert = expert
+        self.inner = inner
+
+    def check(self, hf: Sequence[Named], local: Shape, shard: Shard) -> list[str]:
+        ((name, got),) = hf
+        if len(got) < 2 or self.expert >= got[0]:
+            return [f"HF tensor {name!r} of shape {list(got)} has no expert {self.expert} in dim 0"]
+        return self.inner.check([(name, tuple(got[1:]))], local, shard)
+
+    def blocks(
+        self, index: int, source: torch.Tensor, rows: Rows, local: Shape, shard: Shard
+    ) -> Iterator[Piece]:
+        if not rows.start <= self.expert < rows.stop:
+            return iter(())
+        one = source[self.expert - rows.start]
+        return self.inner.blocks(index, one, Rows(0, one.shape[0], one.shape[0]), local, shard)
+
+
+class FusedGatedExpert(_RowBlocks):
+    """Expert ``expert``'s ``linear_fc1`` from a fused gate/up HF tensor
+    (``FusedGatedExpertMapping``): ``[E, 2I, H]`` (gate rows, then up rows), ``[E, H, 2I]``
+    (the same, stored transposed: read strided) or ``[E, 2, I, H]``; then split over expert
+    tensor parallelism as :class:`GateUp`. Orientation is told apart by shape, as
+    Megatron-Bridge's ``_align_expert_weight_to_shape`` tells it (a square one is as stored)."""
+
+    def __init__(self, expert: int) -> None:
+        self.expert = expert
+        self.inner = ExpertTensorParallel(GateUp())
+
+    def check(self, hf: Sequence[Named], local: Shape, shard: Shard) -> list[str]:
+        ((name, got),) = hf
+        if local[0] % 2:
+            return [f"the fused gate/up parameter has an odd number of rows {local[0]}"]
+        half = self._half(local, shard)
+        fused = (2 * half[0], *half[1:])
+        accepted = [(2, *half), (2, *half[::-1]), fused]
+        if len(fused) == 2 and fused[0] != fused[1]:
+            accepted.append(fused[::-1])
+        if len(got) < 2 or self.expert >= got[0] or tuple(got[1:]) not in accepted:
+            shapes = " or ".join(str(["E", *a]) for a in accepted)
+            return [
+                f"HF tensor {name!r} has shape {list(got)}, expected {shapes} with expert "
+                f"{self.expert} < E"
+            ]
+        return []
+
+    def blocks(
+        self, index: int, source: torch.Tensor, rows: Rows, local: Shape, shard: Shard
+    ) -> Iterator[Piece]:
+        if not rows.start <= self.expert < rows.stop:
+            return iter(())
+        one = source[self.expert - rows.start]
+        half = self._half(local, shard)
+        if one.ndim == len(half) + 1 and one.shape[0] == 2:
+            gate, up = (_oriented(one[i], half) for i in (0, 1))
+        else:
+            both = _oriented(one, (2 * half[0], *half[1:]))
+            gate, up = both[: half[0]], both[half[0] :]
+        return self.inner.pieces([gate, up], local, shard)
+
+    @staticmethod
+    def _half(local: Shape, shard: Shard) -> Shape:
+        """The full (unsplit) shape of one of gate and up."""
+        return (local[0] // 2 * _expert_shard(shard).tp_size, *local[1:])
+
+
+def _oriented(tensor: torch.Tensor, shape: Shape) -> torch.Tensor:
+    """``tensor`` as ``shape``: itself, or (a 2-D one stored transposed) a transposed view."""
+    return tensor if tuple(tensor.shape) == tuple(shape) else tensor.t()
+
+
+class _Transforms(dict[str, Transform]):
+    """The transforms by name; a parameterised name (``fused_expert:{e}:{inner}``,
+    ``fused_gated_expert:{e}``) makes its transform on first use."""
+
+    def __missing__(self, name: str) -> Transform:
+        kind, _, args = name.partition(":")
+        expert, _, inner = args.partition(":")
+        if kind == "fused_expert" and inner in self:
+            made: Transform = FusedExpert(int(expert), self[inner])
+        elif kind == "fused_gated_expert" and expert.isdigit() and not inner:
+            made = FusedGatedExpert(int(expert))
+        else:
+            raise KeyError(name)
+        self[name] = made
+        return made
+
+
+TRANSFORMS: dict[str, Transform] = _Transforms(
+    {
+        "replicated": Replicated(),
+        "row_parallel": RowParallel(),
+        "column_parallel": ColumnParallel(),
+        "vocab": Vocab(),
+        "gate_up": GateUp(),
+        "qkv": Qkv(),
+        "expert_gate_up": ExpertTensorParallel(GateUp()),
+        "expert_row_parallel": ExpertTensorParallel(RowParallel()),
+    }
+)
+"""Transform name (as used in mapping rules) -> transform; see :class:`_Transforms` for the
+parameterised names of fused experts."""
