@@ -21,10 +21,12 @@ mapping names (:meth:`BridgeTable.leaves`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from megastart.loader.archs.table import MappingTable, Rule
+from megastart.loader.bridge_layouts import CONFIGURED, configured, gated_qkv, zero_centred
 from megastart.loader.plan import PlanError
 
 TRANSLATED = {
@@ -37,6 +39,8 @@ TRANSLATED = {
     "GatedMLPMapping": "gate_up",
     "FusedExpertMapping": "",  # one expert of an [E, ...] tensor, then its module's parallelism
     "FusedGatedExpertMapping": "fused_gated_expert",  # one expert's gate/up of an [E, ...] tensor
+    "RMSNorm2ZeroCenteredRMSNormMapping": "",  # its module's parallelism, minus one
+    **dict.fromkeys(CONFIGURED, "interleave"),  # layouts from the config (bridge_layouts)
 }
 """Megatron-Bridge's standard mapping classes (by exact class) and the transforms that
 reproduce them; ``AutoMapping`` takes its module's."""
@@ -51,6 +55,8 @@ REPRODUCED_HOOKS = {
     "MegatronModelBridge.maybe_modify_loaded_hf_weight",
     # dequantises FP8 block-scaled weights with their *_scale_inv, as megastart does
     "DeepSeekV3Bridge.maybe_modify_loaded_hf_weight",
+    # the same helper (quantization_utils.maybe_dequantize_fp8_blockwise), 128x128 blocks
+    "MiniMaxM2Bridge.maybe_modify_loaded_hf_weight",
 }
 """``maybe_modify_loaded_hf_weight`` implementations (by qualified name) whose result
 megastart's own load equals."""
@@ -108,11 +114,13 @@ def bridge_table(
     architectures: tuple[str, ...],
     *,
     tied: bool,
+    stored: Callable[[str], str | None] = lambda name: None,
 ) -> BridgeTable:
     """The table for this rank's ``params`` (canonical name, owning module, whether a buffer),
     from the bridge's registry; raises :class:`Untranslatable` for anything it does not
     reproduce. A buffer no mapping names is model state the load does not touch; with
-    ``tied`` embeddings the bridge leaves the output layer to the embedding."""
+    ``tied`` embeddings the bridge leaves the output layer to the embedding. ``stored``: an
+    HF tensor's dtype in the checkpoint (where a mapping computes in it)."""
     bridge = model_bridge(bridge)
     check_hooks(bridge)
     registry = bridge.mapping_registry()
@@ -128,7 +136,7 @@ def bridge_table(
             continue
         mapping = registry.megatron_to_hf_lookup(unwrap_lora(canonical))
         if mapping is not None:
-            by_name[canonical] = _rule(bridge, mapping, canonical, module)
+            by_name[canonical] = _rule(bridge, mapping, canonical, module, stored)
         elif not buffer:  # a buffer no mapping names is state the load does not touch
             left.add(canonical)
     return BridgeTable(architectures, (), by_name=by_name, left=frozenset(left))
@@ -161,12 +169,18 @@ def _check_class(bridge: Any, mapping: Any) -> None:
 _STANDARD_MODULE = "megatron.bridge.models.conversion.param_mapping"
 
 
-def _rule(bridge: Any, mapping: Any, canonical: str, module: Any) -> Rule:
+def _rule(
+    bridge: Any, mapping: Any, canonical: str, module: Any, stored: Callable[[str], str | None]
+) -> Rule:
     kind = type(mapping).__name__
     hf = mapping.hf_param
     names = (hf,) if isinstance(hf, str) else tuple(hf[k] for k in _INPUTS[kind])
     transform = TRANSLATED[kind]
-    if kind in ("AutoMapping", "FusedExpertMapping"):
+    if kind in CONFIGURED:
+        return Rule((canonical,), names, configured(kind, mapping, module))
+    if kind == "QKVMapping":
+        transform = gated_qkv(mapping, module) or transform
+    if TRANSLATED[kind] == "":  # AutoMapping and its subclasses: the module's parallelism
         try:
             transform = _BY_PARALLELISM[mapping._detect_parallelism_type(module)]
         except ValueError as e:
@@ -186,6 +200,16 @@ def _rule(bridge: Any, mapping: Any, canonical: str, module: Any) -> Rule:
             )
     if kind == "FusedExpertMapping":
         transform = f"fused_expert:{_expert_number(canonical)}:{transform}"
+    if kind == "RMSNorm2ZeroCenteredRMSNormMapping":
+        param = str(getattr(module, canonical.rsplit(".", 1)[1]).dtype).removeprefix("torch.")
+        centred = zero_centred(transform, stored(names[0]), param)
+        if centred is None:
+            raise Untranslatable(
+                f"Megatron-Bridge's {type(bridge).__name__} subtracts one from {names[0]!r} in "
+                f"the checkpoint's dtype ({stored(names[0])}) before casting to {param}: "
+                "megastart casts first, so the two differ"
+            )
+        transform = centred
     return Rule((canonical,), names, transform)
 
 
@@ -196,5 +220,5 @@ def _expert_number(canonical: str) -> int:
     return int(extract_expert_number_from_param(canonical))
 
 
-_INPUTS = {"QKVMapping": ("q", "k", "v"), "GatedMLPMapping": ("gate", "up")}
+_INPUTS = {"QKVMapping": ("q", "k", "v"), "GatedMLPMapping": ("gate", "up"), **CONFIGURED}
 """The order in which a fused mapping's HF tensors are the transform's inputs."""

@@ -75,6 +75,7 @@ def local_needs(
             [(c.name, c.module, c.buffer) for c in candidates],
             meta.architectures,
             tied=bool(getattr(chunks[0], "share_embeddings_and_output_weights", False)),
+            stored=lambda name: meta.tensors[name].dtype if name in meta.tensors else None,
         )
     table = table or mapping_table(meta)
     loaded = [

@@ -20,118 +20,55 @@ Rows are along dim 0, the dim Megatron's column-parallel layers split.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from megastart.loader import interleave
+from megastart.loader.transform_base import (
+    Named,
+    Piece,
+    RowBlocks,
+    Rows,
+    Shape,
+    Shard,
+    Transform,
+    expect,
+    place,
+)
 
 if TYPE_CHECKING:
     import torch
 
-Shape = tuple[int, ...]
-Piece = tuple[int, int, "torch.Tensor"]
-Named = tuple[str, Shape]
-"""An HF tensor's name and shape."""
+__all__ = ["TRANSFORMS", "Named", "Piece", "Rows", "Shape", "Shard", "Transform"]
 
 
-@dataclass(frozen=True, slots=True)
-class Shard:
-    """Where this rank's parameter sits in the tensor-parallel split, and the attention dims."""
-
-    tp_rank: int
-    tp_size: int
-    num_heads: int
-    num_query_groups: int
-    head_dim: int
-    expert_tp_rank: int | None = None
-    """Rank in Megatron's expert-tensor-parallel group (None: experts split like ``tp_rank``)."""
-    expert_tp_size: int | None = None
-    """Size of that group, which may differ from ``tp_size`` (``expert_tensor_parallel_size``)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Rows:
-    """The dim-0 range ``[start, stop)`` of an HF tensor of ``total`` rows that a block holds."""
-
-    start: int
-    stop: int
-    total: int
-
-
-class Transform(Protocol):
-    def check(self, hf: Sequence[Named], local: Shape, shard: Shard) -> list[str]: ...
-
-    def blocks(
-        self, index: int, source: torch.Tensor, rows: Rows, local: Shape, shard: Shard
-    ) -> Iterator[Piece]: ...
-
-    def pieces(
-        self, inputs: Sequence[torch.Tensor], local: Shape, shard: Shard
-    ) -> Iterator[Piece]: ...
-
-
-def _expect(hf: Sequence[Named], wanted: Sequence[Shape]) -> list[str]:
-    return [
-        f"HF tensor {name!r} has shape {list(got)}, expected {list(want)}"
-        for (name, got), want in zip(hf, wanted, strict=True)
-        if tuple(got) != tuple(want)
-    ]
-
-
-def _place(
-    source: torch.Tensor, rows: Rows, lo: int, hi: int, dest: int, cols: slice | None = None
-) -> Iterator[Piece]:
-    """The rows ``[lo, hi)`` of the HF tensor that ``source`` holds, written from parameter row ``dest``."""
-    first, stop = max(lo, rows.start), min(hi, rows.stop)
-    if first >= stop:
-        return
-    if first == rows.start and stop == rows.stop:  # the whole block: index only the columns
-        block = source if cols is None else source[:, cols]
-    else:
-        below = slice(first - rows.start, stop - rows.start)
-        block = source[below] if cols is None else source[below, cols]
-    yield dest + first - lo, dest + stop - lo, block
-
-
-class _RowBlocks:
-    """``pieces`` of whole tensors, in terms of ``blocks`` of row ranges (one HF tensor each)."""
-
-    def blocks(
-        self, index: int, source: torch.Tensor, rows: Rows, local: Shape, shard: Shard
-    ) -> Iterator[Piece]:
-        raise NotImplementedError
-
-    def pieces(self, inputs: Sequence[torch.Tensor], local: Shape, shard: Shard) -> Iterator[Piece]:
-        for index, source in enumerate(inputs):
-            whole = Rows(0, source.shape[0], source.shape[0])
-            yield from self.blocks(index, source, whole, local, shard)
-
-
-class Replicated(_RowBlocks):
+class Replicated(RowBlocks):
     """Every rank holds the whole tensor (norms)."""
 
     def check(self, hf: Sequence[Named], local: Shape, shard: Shard) -> list[str]:
-        return _expect(hf, [local])
+        return expect(hf, [local])
 
     def blocks(
         self, index: int, source: torch.Tensor, rows: Rows, local: Shape, shard: Shard
     ) -> Iterator[Piece]:
-        return _place(source, rows, 0, rows.total, 0)
+        return place(source, rows, 0, rows.total, 0)
 
 
-class RowParallel(_RowBlocks):
+class RowParallel(RowBlocks):
     """Megatron's row-parallel layers (``linear_proj``, ``linear_fc2``) split the input dim (1)."""
 
     def check(self, hf: Sequence[Named], local: Shape, shard: Shard) -> list[str]:
-        return _expect(hf, [(local[0], local[1] * shard.tp_size, *local[2:])])
+        return expect(hf, [(local[0], local[1] * shard.tp_size, *local[2:])])
 
     def blocks(
         self, index: int, source: torch.Tensor, rows: Rows, local: Shape, shard: Shard
     ) -> Iterator[Piece]:
         n = local[1]
         cols = slice(shard.tp_rank * n, (shard.tp_rank + 1) * n)
-        return _place(source, rows, 0, rows.total, 0, cols)
+        return place(source, rows, 0, rows.total, 0, cols)
 
 
-class ColumnParallel(_RowBlocks):
+class ColumnParallel(RowBlocks):
     """Megatron's column-parallel layers split the output dim (0) into TP row blocks; a layer
     held whole on every rank (Transformer Engine's duplicated MLA down projections) takes it all."""
 
@@ -139,17 +76,17 @@ class ColumnParallel(_RowBlocks):
         ((_, got),) = hf
         if tuple(got) == tuple(local):
             return []
-        return _expect(hf, [(local[0] * shard.tp_size, *local[1:])])
+        return expect(hf, [(local[0] * shard.tp_size, *local[1:])])
 
     def blocks(
         self, index: int, source: torch.Tensor, rows: Rows, local: Shape, shard: Shard
     ) -> Iterator[Piece]:
         n = local[0]
         first = 0 if n == rows.total else shard.tp_rank * n
-        return _place(source, rows, first, first + n, 0)
+        return place(source, rows, first, first + n, 0)
 
 
-class Vocab(_RowBlocks):
+class Vocab(RowBlocks):
     """Embedding / output rows: the padded vocabulary split along dim 0; padded rows are zero.
 
     The zero rows are written with the block that holds the HF tensor's last row.
@@ -173,29 +110,29 @@ class Vocab(_RowBlocks):
         n = local[0]
         start = shard.tp_rank * n
         have = max(0, min(n, rows.total - start))
-        yield from _place(source, rows, start, start + have, 0)
+        yield from place(source, rows, start, start + have, 0)
         if have < n and rows.stop == rows.total:
             zeros = torch.zeros((n - have, *local[1:]), dtype=source.dtype, device=source.device)
             yield have, n, zeros
 
 
-class GateUp(_RowBlocks):
+class GateUp(RowBlocks):
     """SwiGLU ``linear_fc1`` = [gate shard; up shard] on each TP rank."""
 
     def check(self, hf: Sequence[Named], local: Shape, shard: Shard) -> list[str]:
         if local[0] % 2:
             return [f"the fused gate/up parameter has an odd number of rows {local[0]}"]
         full = (local[0] // 2 * shard.tp_size, *local[1:])
-        return _expect(hf, [full, full])
+        return expect(hf, [full, full])
 
     def blocks(
         self, index: int, source: torch.Tensor, rows: Rows, local: Shape, shard: Shard
     ) -> Iterator[Piece]:
         n = local[0] // 2
-        return _place(source, rows, shard.tp_rank * n, (shard.tp_rank + 1) * n, index * n)
+        return place(source, rows, shard.tp_rank * n, (shard.tp_rank + 1) * n, index * n)
 
 
-class Qkv(_RowBlocks):
+class Qkv(RowBlocks):
     """Fused QKV (weight or bias): per query group ``[its q heads; k; v]``; TP splits by group."""
 
     def check(self, hf: Sequence[Named], local: Shape, shard: Shard) -> list[str]:
@@ -216,7 +153,7 @@ class Qkv(_RowBlocks):
                 f"the fused QKV parameter needs (heads + 2 * query groups) * head_dim / TP = "
                 f"({heads} + 2 * {groups}) * {d} / {tp} rows, it has {local[0]}"
             ]
-        return _expect(hf, [(heads * d, *rest), (groups * d, *rest), (groups * d, *rest)])
+        return expect(hf, [(heads * d, *rest), (groups * d, *rest), (groups * d, *rest)])
 
     def blocks(
         self, index: int, source: torch.Tensor, rows: Rows, local: Shape, shard: Shard
@@ -227,10 +164,10 @@ class Qkv(_RowBlocks):
         local_groups = shard.num_query_groups // shard.tp_size
         for j in range(local_groups):
             g = shard.tp_rank * local_groups + j
-            yield from _place(source, rows, g * size, (g + 1) * size, j * (q_rows + 2 * d) + within)
+            yield from place(source, rows, g * size, (g + 1) * size, j * (q_rows + 2 * d) + within)
 
 
-class ExpertTensorParallel(_RowBlocks):
+class ExpertTensorParallel(RowBlocks):
     """A routed expert's weight: ``inner``, split over the expert-tensor-parallel group, not TP."""
 
     def __init__(self, inner: Transform) -> None:
@@ -253,7 +190,7 @@ def _expert_shard(shard: Shard) -> Shard:
     return replace(shard, tp_rank=shard.expert_tp_rank, tp_size=shard.expert_tp_size)
 
 
-class FusedExpert(_RowBlocks):
+class FusedExpert(RowBlocks):
     """Expert ``expert`` of an HF tensor holding every expert along dim 0 (``[E, ...]``:
     Megatron-Bridge's ``FusedExpertMapping``), made by ``inner`` from that expert's slice.
 
@@ -280,7 +217,7 @@ class FusedExpert(_RowBlocks):
         return self.inner.blocks(index, one, Rows(0, one.shape[0], one.shape[0]), local, shard)
 
 
-class FusedGatedExpert(_RowBlocks):
+class FusedGatedExpert(RowBlocks):
     """Expert ``expert``'s ``linear_fc1`` from a fused gate/up HF tensor
     (``FusedGatedExpertMapping``): ``[E, 2I, H]`` (gate rows, then up rows), ``[E, H, 2I]``
     (the same, stored transposed: read strided) or ``[E, 2, I, H]``; then split over expert
@@ -334,14 +271,19 @@ def _oriented(tensor: torch.Tensor, shape: Shape) -> torch.Tensor:
 
 
 class _Transforms(dict[str, Transform]):
-    """The transforms by name; a parameterised name (``fused_expert:{e}:{inner}``,
-    ``fused_gated_expert:{e}``) makes its transform on first use."""
+    """The transforms by name; a parameterised name makes its transform on first use:
+    ``fused_expert:{e}:{inner}``, ``fused_gated_expert:{e}``, ``zero_centred:{dtype}:{inner}``
+    and ``interleave:...`` (:mod:`megastart.loader.interleave`)."""
 
     def __missing__(self, name: str) -> Transform:
         kind, _, args = name.partition(":")
         expert, _, inner = args.partition(":")
-        if kind == "fused_expert" and inner in self:
-            made: Transform = FusedExpert(int(expert), self[inner])
+        if kind == "interleave":
+            made: Transform = interleave.parse(args)
+        elif kind == "zero_centred" and inner in self:
+            made = interleave.ZeroCentred(self[inner], expert)
+        elif kind == "fused_expert" and inner in self:
+            made = FusedExpert(int(expert), self[inner])
         elif kind == "fused_gated_expert" and expert.isdigit() and not inner:
             made = FusedGatedExpert(int(expert))
         else:

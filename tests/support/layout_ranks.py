@@ -1,0 +1,171 @@
+"""What each rank runs in the tests of config-dependent layouts (gated attention, gated delta
+nets, Mamba's convolution, zero-centred norms) where no model can be built on CPU (the gated
+delta net's and Mamba's layer specs are Transformer Engine's): the bridge's own resolved
+mapping and its ``hf_to_megatron`` scatter over the TP group, beside megastart's translation of
+the same mapping placing row blocks of the same HF tensors, on a real Megatron-core layer of
+the parameter's local shape."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from support.bridge_ranks import import_megatron_bridge
+from support.loader_ranks import megatron
+
+HIDDEN = 64
+GDN = dict(
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+)
+"""Two value heads per key head, value and key head dims that differ: every offset counts."""
+MAMBA = dict(mamba_num_groups=2, mamba_num_heads=8, mamba_head_dim=4, mamba_state_dim=6)
+
+
+def config() -> Any:
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=HIDDEN,
+        num_attention_heads=8,
+        num_query_groups=4,
+        kv_channels=16,
+        attention_output_gate=True,
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=torch.distributed.get_world_size(),
+        **GDN,
+        **MAMBA,
+    )
+
+
+def holder(kind: str, rows: int, dtype: torch.dtype) -> Any:
+    """A module of the Megatron type that holds the parameter (of ``rows`` before the TP split),
+    with the config the bridge's merge reads."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    cfg = config()
+    if kind == "conv1d":  # the gated delta net's depthwise convolution, TP-local channels
+        rows //= torch.distributed.get_world_size()
+        module: Any = torch.nn.Conv1d(rows, rows, 4, groups=rows, bias=False, dtype=dtype)
+    elif kind == "norm":
+        module = torch.nn.RMSNorm(rows, dtype=dtype)
+    else:
+        module = ColumnParallelLinear(
+            HIDDEN, rows, config=cfg, init_method=torch.nn.init.zeros_, bias=False
+        )
+        module.weight.data = module.weight.data.to(dtype)
+    module.config = cfg
+    return module
+
+
+def theirs_and_ours(
+    bridge_class: str, canonical: str, kind: str, full_rows: int, stored: str, param: str
+) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """Rank's parameter as the bridge's mapping makes it and as megastart's translation makes
+    it (from three uneven row blocks of each HF tensor), and the transform's name."""
+    from megastart.loader.bridge import bridge_table
+    from megastart.loader.transforms import TRANSFORMS, Rows, Shard
+
+    import_megatron_bridge()
+    from megatron.bridge.models.conversion import param_mapping
+
+    with megatron({"tp": torch.distributed.get_world_size()}):
+        tp = torch.distributed.get_world_size()
+        rank = torch.distributed.get_rank()
+        module = holder(kind, full_rows, getattr(torch, param))
+        local = tuple(module.weight.shape)
+        mapping = _mapping(bridge_class, canonical, param_mapping)
+        hf = _hf_tensors(mapping, getattr(torch, stored))
+        table = bridge_table(
+            _bridge(bridge_class, mapping),
+            [(canonical, module, False)],
+            (),
+            tied=False,
+            stored=lambda name: stored,
+        )
+        rule = table.by_name[canonical]
+        names = list(rule.hf)
+        argument = hf[names[0]] if isinstance(mapping.hf_param, str) else _by_key(mapping, hf)
+        theirs = mapping.hf_to_megatron(argument, module)
+        ours = torch.full(local, float("nan"), dtype=getattr(torch, param))
+        shard = Shard(rank, tp, 8, 4, 16)
+        transform = TRANSFORMS[rule.transform]
+        assert not transform.check([(n, tuple(hf[n].shape)) for n in names], local, shard)
+        for index, name in enumerate(names):
+            whole = hf[name].to(getattr(torch, param))
+            total = whole.shape[0]
+            for start, stop in ((0, total // 3), (total // 3, total - 1), (total - 1, total)):
+                rows = Rows(start, stop, total)
+                for first, last, piece in transform.blocks(
+                    index, whole[start:stop], rows, local, shard
+                ):
+                    ours[first:last] = piece
+        return theirs.to(ours.dtype), ours, rule.transform
+
+
+def _mapping(bridge_class: str, canonical: str, param_mapping: Any) -> Any:
+    """The bridge's own mapping of ``canonical`` (``bridge_class`` a bridge, or a mapping class
+    built as the bridges build it)."""
+    if bridge_class == "MambaConv1dMapping":
+        return param_mapping.MambaConv1dMapping(canonical, "model.layers.0.mixer.conv1d.weight")
+    return _bridge(bridge_class, None).mapping_registry().megatron_to_hf_lookup(canonical)
+
+
+def _bridge(bridge_class: str, mapping: Any) -> Any:
+    from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
+    from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
+    from megatron.bridge.models.qwen import qwen3_next_bridge, qwen35_bridge
+
+    classes = {
+        "Qwen3NextBridge": qwen3_next_bridge.Qwen3NextBridge,
+        "Qwen35Bridge": qwen35_bridge.Qwen35Bridge,
+    }
+    if bridge_class in classes:
+        return classes[bridge_class]()
+
+    class OneMapping(MegatronModelBridge):  # type: ignore[misc]
+        def mapping_registry(self) -> Any:
+            return MegatronMappingRegistry(mapping)
+
+        def provider_bridge(self, hf_pretrained: Any) -> Any:
+            raise NotImplementedError
+
+    return OneMapping()
+
+
+def _hf_tensors(mapping: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Random HF tensors of the shapes the mapping's HF side has for :func:`config`."""
+    generator = torch.Generator().manual_seed(0)
+    kd, vd = GDN["linear_key_head_dim"], GDN["linear_value_head_dim"]
+    qk, v = GDN["linear_num_key_heads"] * kd, GDN["linear_num_value_heads"] * vd
+    heads_v = GDN["linear_num_value_heads"]
+    mamba_x = MAMBA["mamba_num_heads"] * MAMBA["mamba_head_dim"]
+    mamba_bc = MAMBA["mamba_state_dim"] * MAMBA["mamba_num_groups"]
+    shapes = {
+        "in_proj_qkvz": (2 * qk + 2 * v, HIDDEN),
+        "in_proj_ba": (2 * heads_v, HIDDEN),
+        "in_proj_qkv": (2 * qk + v, HIDDEN),
+        "in_proj_z": (v, HIDDEN),
+        "in_proj_b": (heads_v, HIDDEN),
+        "in_proj_a": (heads_v, HIDDEN),
+        "linear_attn.conv1d": (2 * qk + v, 1, 4),
+        "mixer.conv1d": (mamba_x + 2 * mamba_bc, 1, 4),
+        "q_proj": (8 * 16 * 2, HIDDEN),
+        "k_proj": (4 * 16, HIDDEN),
+        "v_proj": (4 * 16, HIDDEN),
+        "linear_attn.norm": (kd,),
+    }
+    names = [mapping.hf_param] if isinstance(mapping.hf_param, str) else mapping.hf_param.values()
+    out = {}
+    for name in names:
+        shape = next(s for key, s in shapes.items() if f"{key}." in name)
+        out[name] = (torch.randn(shape, generator=generator) + 1).to(dtype)
+    return out
+
+
+def _by_key(mapping: Any, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {key: hf[name] for key, name in mapping.hf_param.items()}
