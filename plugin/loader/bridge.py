@@ -8,13 +8,14 @@ load gets the HF tensors its mapping names and the megastart transform that
 does what the mapping's ``hf_to_megatron`` does, so the one reader streams each
 rank only what it takes, as with the built-in tables.
 
-All or nothing: a registry that maps parameters outside a GPT decoder (vision
-towers: multimodal models), a mapping class not in :data:`TRANSLATED` (subclasses
-included), an ``AutoMapping`` with
-``permute_dims``, a module whose parallelism ``AutoMapping`` cannot tell, or a
-bridge whose ``maybe_modify_loaded_hf_weight`` does more than megastart does
-itself (:data:`REPRODUCED_HOOKS`) leaves the whole load to the bridge
-(:class:`Untranslatable`, decided on every rank together). What the bridge
+A multimodal model's towers (vision, audio) are parameters like the decoder's:
+mostly ``ReplicatedMapping`` over ``prefix.**`` (read whole by each rank), a
+TP-sharded ViT's ``ConcatenatedQKVMapping`` (three row ranges per group). All or
+nothing: a mapping class not in :data:`TRANSLATED` (subclasses included), an
+``AutoMapping`` with ``permute_dims``, a module whose parallelism ``AutoMapping``
+cannot tell, or a bridge whose ``maybe_modify_loaded_hf_weight`` does more than
+megastart does itself (:data:`REPRODUCED_HOOKS`) leaves the whole load to the
+bridge (:class:`Untranslatable`, decided on every rank together). What the bridge
 leaves alone, megastart leaves too: adapter parameters (LoRA) and parameters no
 mapping names (:meth:`BridgeTable.leaves`).
 """
@@ -131,7 +132,9 @@ def bridge_table(
     is_adapter = getattr(bridge, "_is_adapter_param_name", lambda name: False)
     unwrap_lora = getattr(bridge, "_get_lora_unwrapped_name", lambda name: name)
     for canonical, module, buffer in params:
-        if is_adapter(canonical) or (tied and canonical.startswith("output_layer.")):
+        if is_adapter(canonical) or (
+            tied and _language_part(canonical).startswith("output_layer.")
+        ):
             left.add(canonical)
             continue
         mapping = registry.megatron_to_hf_lookup(unwrap_lora(canonical))
@@ -142,17 +145,7 @@ def bridge_table(
     return BridgeTable(architectures, (), by_name=by_name, left=frozenset(left))
 
 
-GPT_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
-"""Where a Megatron GPTModel's parameters are: a registry that maps any other (a vision
-tower, a language model nested in a multimodal one) is not one megastart loads."""
-
-
 def _check_class(bridge: Any, mapping: Any) -> None:
-    if not str(mapping.megatron_param).startswith(GPT_PREFIXES):
-        raise Untranslatable(
-            f"Megatron-Bridge's {type(bridge).__name__} maps {mapping.megatron_param!r}, "
-            "outside a GPT decoder (a multimodal model): megastart loads decoder-only models"
-        )
     kind = type(mapping).__name__
     if kind not in TRANSLATED or type(mapping).__module__ != _STANDARD_MODULE:
         raise Untranslatable(
@@ -189,7 +182,7 @@ def _rule(
             ) from None
     if kind == "FusedGatedExpertMapping":
         return Rule((canonical,), names, f"{transform}:{_expert_number(canonical)}")
-    if transform == "column_parallel" and canonical in _VOCAB:
+    if transform == "column_parallel" and _language_part(canonical) in _VOCAB:
         transform = "vocab"
     if mapping.is_expert:
         transform = _EXPERT.get(transform, transform)
@@ -211,6 +204,18 @@ def _rule(
             )
         transform = centred
     return Rule((canonical,), names, transform)
+
+
+def _language_part(canonical: str) -> str:
+    """``canonical`` without the prefix a multimodal model puts before its language model."""
+    for prefix in _LANGUAGE_MODELS:
+        if canonical.startswith(prefix):
+            return canonical.removeprefix(prefix)
+    return canonical
+
+
+_LANGUAGE_MODELS = ("thinker.language_model.", "language_model.", "llava_model.language_model.")
+"""Where multimodal models built by Megatron-Bridge hold their language model."""
 
 
 def _expert_number(canonical: str) -> int:

@@ -17,6 +17,7 @@ CONFIGURED = {
     "GDNLinearMappingSeparate": ("qkv", "z", "b", "a"),
     "GDNConv1dMapping": (),
     "MambaConv1dMapping": (),
+    "ConcatenatedQKVMapping": (),
 }
 """Mapping classes (by exact class) :func:`configured` translates, and the order of their HF
 inputs (``()``: one)."""
@@ -27,6 +28,8 @@ def configured(kind: str, mapping: Any, module: Any) -> str:
     config = mapping._get_config(module)
     if kind == "MambaConv1dMapping":
         return mamba_conv1d(config)
+    if kind == "ConcatenatedQKVMapping":
+        return concatenated_qkv(config)
     dims = (
         config.linear_num_key_heads,
         config.linear_num_value_heads,
@@ -48,6 +51,22 @@ def gated_qkv(mapping: Any, module: Any) -> str | None:
     heads = config.num_attention_heads
     head_dim = config.kv_channels or config.hidden_size // heads
     return interleave.gated_qkv(heads, config.num_query_groups or heads, head_dim)
+
+
+def concatenated_qkv(config: Any) -> str:
+    """A fused ``[Q; K; V]`` (a ViT's ``qkv``, ``ConcatenatedQKVMapping``) as Megatron's QKV:
+    per group, its query heads, then its key and value head."""
+    heads, groups, d = config.num_attention_heads, config.num_query_groups, config.kv_channels
+    per = heads // groups
+    return interleave.spec(
+        groups,
+        True,
+        [
+            interleave.Component(0, per * d, 0, per * d),
+            interleave.Component(0, d, heads * d, d),
+            interleave.Component(0, d, heads * d + groups * d, d),
+        ],
+    )
 
 
 def mamba_conv1d(config: Any) -> str:
