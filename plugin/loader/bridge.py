@@ -170,7 +170,13 @@ def _rule(
     names = (hf,) if isinstance(hf, str) else tuple(hf[k] for k in _INPUTS[kind])
     transform = TRANSLATED[kind]
     if kind in CONFIGURED:
-        return Rule((canonical,), names, configured(kind, mapping, module))
+        layout = configured(kind, mapping, module)
+        if layout is None:
+            raise Untranslatable(
+                f"Megatron-Bridge's {type(bridge).__name__} maps {canonical!r} with {kind} under "
+                "a config megastart does not translate (an output gate)"
+            )
+        return Rule((canonical,), names, layout)
     if kind == "QKVMapping":
         transform = gated_qkv(mapping, module) or transform
     if TRANSLATED[kind] == "":  # AutoMapping and its subclasses: the module's parallelism

@@ -23,8 +23,9 @@ CONFIGURED = {
 inputs (``()``: one)."""
 
 
-def configured(kind: str, mapping: Any, module: Any) -> str:
-    """The transform name for one of :data:`CONFIGURED`, from the module's config."""
+def configured(kind: str, mapping: Any, module: Any) -> str | None:
+    """The transform name for one of :data:`CONFIGURED`, from the module's config (``None``:
+    a config this translation does not cover)."""
     config = mapping._get_config(module)
     if kind == "MambaConv1dMapping":
         return mamba_conv1d(config)
@@ -53,9 +54,12 @@ def gated_qkv(mapping: Any, module: Any) -> str | None:
     return interleave.gated_qkv(heads, config.num_query_groups or heads, head_dim)
 
 
-def concatenated_qkv(config: Any) -> str:
+def concatenated_qkv(config: Any) -> str | None:
     """A fused ``[Q; K; V]`` (a ViT's ``qkv``, ``ConcatenatedQKVMapping``) as Megatron's QKV:
-    per group, its query heads, then its key and value head."""
+    per group, its query heads, then its key and value head (``None`` with an output gate,
+    which the bridge's merge would apply to a ``Q`` split without it)."""
+    if getattr(config, "attention_output_gate", False):
+        return None
     heads, groups, d = config.num_attention_heads, config.num_query_groups, config.kv_channels
     per = heads // groups
     return interleave.spec(

@@ -23,72 +23,51 @@ from megastart.harness.launch import RankPool
 
 LAYER = "decoder.layers.0.self_attention."
 GDN_ROWS = 2 * 64 + 2 * 64 + 2 * 8  # q, k (4 heads x 16), v, z (8 heads x 8), b, a
+QKV_ROWS = (8 + 2 * 4) * 16  # 8 heads in 4 groups of head dim 16
+
+CASES = {  # bridge (or mapping class), parameter, holding module, rows before TP, HF dtype
+    "qwen3_next-in_proj": (
+        "Qwen3NextBridge",
+        LAYER + "in_proj.weight",
+        "linear",
+        GDN_ROWS,
+        "float32",
+    ),
+    "qwen3_5-in_proj": ("Qwen35Bridge", LAYER + "in_proj.weight", "linear", GDN_ROWS, "float32"),
+    "gdn-conv1d": ("Qwen3NextBridge", LAYER + "conv1d.weight", "conv1d", 3 * 64, "float32"),
+    "gated-qkv": (
+        "Qwen3NextBridge",
+        LAYER + "linear_qkv.weight",
+        "linear",
+        QKV_ROWS + 128,
+        "float32",
+    ),
+    "zero_centred-norm": ("Qwen3NextBridge", LAYER + "out_norm.weight", "norm", 16, "bfloat16"),
+    "mamba-conv1d": (
+        "MambaConv1dMapping",
+        "decoder.layers.0.mixer.conv1d.weight",
+        "conv1d",
+        56,
+        "float32",
+    ),
+    "vit-concatenated_qkv": (
+        "Qwen3VLBridge",
+        "vision_model." + LAYER + "linear_qkv.weight",
+        "linear",
+        QKV_ROWS,
+        "float32",
+    ),
+}
 
 
-@pytest.mark.parametrize(
-    ("bridge", "param", "kind", "rows", "stored", "dtype", "transform"),
-    [
-        (
-            "Qwen3NextBridge",
-            "in_proj.weight",
-            "linear",
-            GDN_ROWS,
-            "float32",
-            "float32",
-            "interleave",
-        ),
-        ("Qwen35Bridge", "in_proj.weight", "linear", GDN_ROWS, "float32", "float32", "interleave"),
-        (
-            "Qwen3NextBridge",
-            "conv1d.weight",
-            "conv1d",
-            2 * 64 + 64,
-            "float32",
-            "float32",
-            "interleave",
-        ),
-        (
-            "Qwen3NextBridge",
-            "linear_qkv.weight",
-            "linear",
-            8 * 32 + 2 * 4 * 16,
-            "float32",
-            "float32",
-            "interleave",
-        ),
-        ("Qwen3NextBridge", "out_norm.weight", "norm", 16, "bfloat16", "float32", "zero_centred"),
-        (
-            "MambaConv1dMapping",
-            "conv1d.weight",
-            "conv1d",
-            32 + 2 * 12,
-            "float32",
-            "float32",
-            "interleave",
-        ),
-    ],
-    ids=[
-        "qwen3_next-in_proj",
-        "qwen3_5-in_proj",
-        "gdn-conv1d",
-        "gated-qkv",
-        "zero_centred-norm",
-        "mamba-conv1d",
-    ],
-)
+@pytest.mark.parametrize("case", CASES)
 def test_megastart_places_what_the_bridges_mapping_makes_on_each_tp_rank(
-    rank_pools: dict[int, RankPool],
-    bridge: str,
-    param: str,
-    kind: str,
-    rows: int,
-    stored: str,
-    dtype: str,
-    transform: str,
+    rank_pools: dict[int, RankPool], case: str
 ) -> None:
-    canonical = ("decoder.layers.0.mixer." if bridge.startswith("Mamba") else LAYER) + param
+    bridge, canonical, kind, rows, stored = CASES[case]
+    transform = "zero_centred" if kind == "norm" else "interleave"
     for rank, (theirs, ours, name) in enumerate(
-        rank_pools[2].run(theirs_and_ours, bridge, canonical, kind, rows, stored, dtype)
+        rank_pools[2].run(theirs_and_ours, bridge, canonical, kind, rows, stored, "float32")
     ):
         assert name.startswith(transform), name
         assert not ours.isnan().any(), f"rank {rank}: rows left unplaced by {name}"

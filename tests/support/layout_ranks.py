@@ -25,7 +25,7 @@ GDN = dict(
 MAMBA = dict(mamba_num_groups=2, mamba_num_heads=8, mamba_head_dim=4, mamba_state_dim=6)
 
 
-def config() -> Any:
+def config(gate: bool = True) -> Any:
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
@@ -34,7 +34,7 @@ def config() -> Any:
         num_attention_heads=8,
         num_query_groups=4,
         kv_channels=16,
-        attention_output_gate=True,
+        attention_output_gate=gate,
         use_cpu_initialization=True,
         tensor_model_parallel_size=torch.distributed.get_world_size(),
         **GDN,
@@ -42,12 +42,12 @@ def config() -> Any:
     )
 
 
-def holder(kind: str, rows: int, dtype: torch.dtype) -> Any:
+def holder(kind: str, rows: int, dtype: torch.dtype, gate: bool = True) -> Any:
     """A module of the Megatron type that holds the parameter (of ``rows`` before the TP split),
     with the config the bridge's merge reads."""
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
-    cfg = config()
+    cfg = config(gate)
     if kind == "conv1d":  # the gated delta net's depthwise convolution, TP-local channels
         rows //= torch.distributed.get_world_size()
         module: Any = torch.nn.Conv1d(rows, rows, 4, groups=rows, bias=False, dtype=dtype)
@@ -76,7 +76,9 @@ def theirs_and_ours(
     with megatron({"tp": torch.distributed.get_world_size()}):
         tp = torch.distributed.get_world_size()
         rank = torch.distributed.get_rank()
-        module = holder(kind, full_rows, getattr(torch, param))
+        module = holder(
+            kind, full_rows, getattr(torch, param), gate=bridge_class != "Qwen3VLBridge"
+        )
         local = tuple(module.weight.shape)
         mapping = _mapping(bridge_class, canonical, param_mapping)
         hf = _hf_tensors(mapping, getattr(torch, stored))
@@ -119,10 +121,12 @@ def _bridge(bridge_class: str, mapping: Any) -> Any:
     from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
     from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
     from megatron.bridge.models.qwen import qwen3_next_bridge, qwen35_bridge
+    from megatron.bridge.models.qwen_vl import qwen3_vl_bridge
 
     classes = {
         "Qwen3NextBridge": qwen3_next_bridge.Qwen3NextBridge,
         "Qwen35Bridge": qwen35_bridge.Qwen35Bridge,
+        "Qwen3VLBridge": qwen3_vl_bridge.Qwen3VLBridge,  # its ViT's fused qkv
     }
     if bridge_class in classes:
         return classes[bridge_class]()
@@ -158,6 +162,7 @@ def _hf_tensors(mapping: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         "k_proj": (4 * 16, HIDDEN),
         "v_proj": (4 * 16, HIDDEN),
         "linear_attn.norm": (kd,),
+        "attn.qkv": ((8 + 2 * 4) * 16, HIDDEN),
     }
     names = [mapping.hf_param] if isinstance(mapping.hf_param, str) else mapping.hf_param.values()
     out = {}
