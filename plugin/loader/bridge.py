@@ -147,6 +147,8 @@ def bridge_table(
 
 def _check_class(bridge: Any, mapping: Any) -> None:
     kind = type(mapping).__name__
+    if f"{type(mapping).__module__}.{kind}" in BRIDGE_CLASSES:
+        return
     if kind not in TRANSLATED or type(mapping).__module__ != _STANDARD_MODULE:
         raise Untranslatable(
             f"Megatron-Bridge's {type(bridge).__name__} maps {mapping.megatron_param!r} with "
@@ -161,6 +163,12 @@ def _check_class(bridge: Any, mapping: Any) -> None:
 
 _STANDARD_MODULE = "megatron.bridge.models.conversion.param_mapping"
 
+BRIDGE_CLASSES = {
+    # MiniMax-M2's Q/K norms over all heads: a TP shard, replicated where key heads < TP
+    "megatron.bridge.models.minimax_m2.minimax_m2_bridge._FullDimQKNormMapping": "column_shards",
+}
+"""Mapping classes of one bridge's own (by module and class) and their transforms."""
+
 
 def _rule(
     bridge: Any, mapping: Any, canonical: str, module: Any, stored: Callable[[str], str | None]
@@ -168,6 +176,9 @@ def _rule(
     kind = type(mapping).__name__
     hf = mapping.hf_param
     names = (hf,) if isinstance(hf, str) else tuple(hf[k] for k in _INPUTS[kind])
+    own = BRIDGE_CLASSES.get(f"{type(mapping).__module__}.{kind}")
+    if own is not None:
+        return Rule((canonical,), names, own)
     transform = TRANSLATED[kind]
     if kind in CONFIGURED:
         layout = configured(kind, mapping, module)

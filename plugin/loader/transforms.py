@@ -86,6 +86,31 @@ class ColumnParallel(RowBlocks):
         return place(source, rows, first, first + n, 0)
 
 
+class ColumnShards(RowBlocks):
+    """Column-parallel rows where a rank may hold a replica of a smaller set of shards: the HF
+    tensor's rows in ``S`` shards of the local size, rank ``r`` taking shard
+    ``r // (TP / S)`` (MiniMax-M2's full-dimension K norm when key heads < TP, as its
+    ``_FullDimRMSNorm.sharded_state_dict`` declares and its bridge mapping loads)."""
+
+    def check(self, hf: Sequence[Named], local: Shape, shard: Shard) -> list[str]:
+        ((name, got),) = hf
+        shards, rest = divmod(got[0], local[0]) if got else (0, 1)
+        if rest or not shards or shard.tp_size % shards or tuple(got[1:]) != tuple(local[1:]):
+            return [
+                f"HF tensor {name!r} has shape {list(got)}, expected [S * {local[0]}, "
+                f"{', '.join(map(str, local[1:]))}] with S dividing the TP size {shard.tp_size}"
+            ]
+        return []
+
+    def blocks(
+        self, index: int, source: torch.Tensor, rows: Rows, local: Shape, shard: Shard
+    ) -> Iterator[Piece]:
+        n = local[0]
+        replicas = shard.tp_size // (rows.total // n)
+        first = shard.tp_rank // replicas * n
+        return place(source, rows, first, first + n, 0)
+
+
 class Vocab(RowBlocks):
     """Embedding / output rows: the padded vocabulary split along dim 0; padded rows are zero.
 
@@ -300,6 +325,7 @@ TRANSFORMS: dict[str, Transform] = _Transforms(
         "vocab": Vocab(),
         "gate_up": GateUp(),
         "qkv": Qkv(),
+        "column_shards": ColumnShards(),
         "expert_gate_up": ExpertTensorParallel(GateUp()),
         "expert_row_parallel": ExpertTensorParallel(RowParallel()),
     }

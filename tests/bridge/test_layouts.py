@@ -17,7 +17,7 @@ import torch
 if importlib.util.find_spec("megatron.bridge") is None:
     pytest.skip("Megatron-Bridge is not installed here", allow_module_level=True)
 
-from support.layout_ranks import theirs_and_ours
+from support.layout_ranks import full_dim_norm, theirs_and_ours
 
 from megastart.harness.launch import RankPool
 
@@ -72,3 +72,15 @@ def test_megastart_places_what_the_bridges_mapping_makes_on_each_tp_rank(
         assert name.startswith(transform), name
         assert not ours.isnan().any(), f"rank {rank}: rows left unplaced by {name}"
         assert torch.equal(theirs, ours), f"rank {rank}: {canonical} differs ({name})"
+
+
+@pytest.mark.parametrize(
+    ("which", "key_heads"), [("q", 4), ("k", 4), ("k", 1)], ids=["q", "k", "k-replicated"]
+)
+def test_minimax_m2_full_dimension_norms_take_the_rows_their_module_declares(
+    rank_pools: dict[int, RankPool], which: str, key_heads: int
+) -> None:
+    """The bridge's own mapping needs CUDA at TP > 1; the module's sharded state dict (what
+    Megatron's checkpoints use) says which rows each rank holds, replicas included."""
+    for rank, (expected, ours) in enumerate(rank_pools[2].run(full_dim_norm, which, key_heads)):
+        assert torch.equal(expected, ours), f"rank {rank}: {which} norm rows differ"

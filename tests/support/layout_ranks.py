@@ -174,3 +174,50 @@ def _hf_tensors(mapping: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 def _by_key(mapping: Any, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {key: hf[name] for key, name in mapping.hf_param.items()}
+
+
+def full_dim_norm(which: str, key_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """MiniMax-M2's ``_FullDimRMSNorm`` (``which``: ``q`` or ``k``) at TP2 with ``key_heads``
+    key heads: the rows its own ``sharded_state_dict`` says this rank holds of a random HF
+    norm, and what megastart's translation of the bridge's mapping places."""
+    from megastart.loader.bridge import bridge_table
+    from megastart.loader.transforms import TRANSFORMS, Shard
+
+    import_megatron_bridge()
+    from megatron.bridge.models.minimax_m2 import minimax_m2_bridge, minimax_m2_provider
+    from megatron.core import parallel_state
+    from megatron.core.transformer import TransformerConfig
+
+    with megatron({"tp": 2}):
+        cfg = TransformerConfig(
+            num_layers=1,
+            hidden_size=HIDDEN,
+            num_attention_heads=8,
+            num_query_groups=key_heads,
+            kv_channels=16,
+            tensor_model_parallel_size=2,
+            use_cpu_initialization=True,
+        )
+        norm_class = {"q": minimax_m2_provider.FullDimQNorm, "k": minimax_m2_provider.FullDimKNorm}
+        module = norm_class[which](16, cfg)
+        canonical = f"decoder.layers.0.self_attention.{which}_layernorm.weight"
+        mapping = minimax_m2_bridge._FullDimQKNormMapping(
+            canonical, f"self_attn.{which}_norm.weight"
+        )
+        heads = 8 if which == "q" else key_heads
+        full = torch.randn(heads * 16, generator=torch.Generator().manual_seed(0))
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        declared = module.sharded_state_dict("", (), {"dp_cp_group": group})["weight"]
+        start = declared.global_offset[0]
+        expected = full[start : start + module.weight.shape[0]]
+        rule = bridge_table(
+            _bridge("", mapping), [(canonical, module, False)], (), tied=False
+        ).by_name[canonical]
+        local = tuple(module.weight.shape)
+        shard = Shard(torch.distributed.get_rank(), 2, 8, key_heads, 16)
+        transform = TRANSFORMS[rule.transform]
+        assert not transform.check([(rule.hf[0], tuple(full.shape))], local, shard)
+        ours = torch.full(local, float("nan"))
+        for first, stop, piece in transform.pieces([full], local, shard):
+            ours[first:stop] = piece
+        return expected, ours
