@@ -166,19 +166,27 @@ _STANDARD_MODULE = "megatron.bridge.models.conversion.param_mapping"
 BRIDGE_CLASSES = {
     # MiniMax-M2's Q/K norms over all heads: a TP shard, replicated where key heads < TP
     "megatron.bridge.models.minimax_m2.minimax_m2_bridge._FullDimQKNormMapping": "column_shards",
+    # Step-3.5's stacked experts: expert e of [E, ...] tensors, then as the standard class
+    "megatron.bridge.models.stepfun.step35_bridge.StackedExpertAutoMapping": "AutoMapping",
+    "megatron.bridge.models.stepfun.step35_bridge.StackedExpertGatedMLPMapping": "GatedMLPMapping",
 }
-"""Mapping classes of one bridge's own (by module and class) and their transforms."""
+"""Mapping classes of one bridge's own (by module and class): a transform, or the standard
+class whose translation they take for one expert of stacked tensors."""
+_ONE_EXPERT = {"FusedExpertMapping", "StackedExpertAutoMapping", "StackedExpertGatedMLPMapping"}
+"""Classes that take expert ``e``'s slice of ``[E, ...]`` tensors, then do their base's work."""
 
 
 def _rule(
     bridge: Any, mapping: Any, canonical: str, module: Any, stored: Callable[[str], str | None]
 ) -> Rule:
     kind = type(mapping).__name__
+    own = BRIDGE_CLASSES.get(f"{type(mapping).__module__}.{kind}", kind)
+    one_expert = kind in _ONE_EXPERT
+    if own not in TRANSLATED:  # a bridge's own class with a transform of its own
+        return Rule((canonical,), (mapping.hf_param,), own)
+    kind = own  # a standard class, or one doing a standard class's work on one expert's slice
     hf = mapping.hf_param
     names = (hf,) if isinstance(hf, str) else tuple(hf[k] for k in _INPUTS[kind])
-    own = BRIDGE_CLASSES.get(f"{type(mapping).__module__}.{kind}")
-    if own is not None:
-        return Rule((canonical,), names, own)
     transform = TRANSLATED[kind]
     if kind in CONFIGURED:
         layout = configured(kind, mapping, module)
@@ -208,7 +216,7 @@ def _rule(
                 f"Megatron-Bridge's {type(bridge).__name__} maps the expert parameter "
                 f"{canonical!r} with {kind} ({transform}), which megastart does not translate"
             )
-    if kind == "FusedExpertMapping":
+    if one_expert:
         transform = f"fused_expert:{_expert_number(canonical)}:{transform}"
     if kind == "RMSNorm2ZeroCenteredRMSNormMapping":
         param = str(getattr(module, canonical.rsplit(".", 1)[1]).dtype).removeprefix("torch.")

@@ -18,6 +18,7 @@ CONFIGURED = {
     "GDNConv1dMapping": (),
     "MambaConv1dMapping": (),
     "ConcatenatedQKVMapping": (),
+    "QKVGMapping": ("q", "k", "v", "g"),
 }
 """Mapping classes (by exact class) :func:`configured` translates, and the order of their HF
 inputs (``()``: one)."""
@@ -31,6 +32,8 @@ def configured(kind: str, mapping: Any, module: Any) -> str | None:
         return mamba_conv1d(config)
     if kind == "ConcatenatedQKVMapping":
         return concatenated_qkv(config)
+    if kind == "QKVGMapping":
+        return qkv_scalar_gate(config)
     dims = (
         config.linear_num_key_heads,
         config.linear_num_value_heads,
@@ -71,6 +74,17 @@ def concatenated_qkv(config: Any) -> str | None:
             interleave.Component(0, d, heads * d + groups * d, d),
         ],
     )
+
+
+def qkv_scalar_gate(config: Any) -> str | None:
+    """``QKVGMapping`` where Megatron-Core has no head-wise gate (``attention_output_gate``:
+    each head's scalar gate expanded over its dims); ``None`` otherwise (the bridge then
+    appends the gate rows after the QKV and splits the two together over TP)."""
+    if not getattr(config, "attention_output_gate", False):
+        return None
+    heads = config.num_attention_heads
+    head_dim = config.kv_channels or config.hidden_size // heads
+    return interleave.gated_qkv_scalar(heads, config.num_query_groups or heads, head_dim)
 
 
 def mamba_conv1d(config: Any) -> str:

@@ -36,12 +36,20 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class Component:
-    """Group ``h``'s rows ``[offset + h * stride, + length)`` of HF input ``input``."""
+    """Group ``h``'s rows ``[offset + h * stride, + length)`` of HF input ``input``; with
+    ``repeat``, its ``length / repeat`` rows each repeated ``repeat`` times (a per-head scalar
+    gate expanded over the head's dims)."""
 
     input: int
     stride: int
     offset: int
     length: int
+    repeat: int = 1
+
+    @property
+    def rows(self) -> int:
+        """The HF rows one group takes."""
+        return self.length // self.repeat
 
 
 class Interleave(RowBlocks):
@@ -67,7 +75,7 @@ class Interleave(RowBlocks):
         problems = []
         for index, (name, got) in enumerate(hf):
             mine = [c for c in self.components if c.input == index]
-            need = max(c.offset + (self.groups - 1) * c.stride + c.length for c in mine)
+            need = max(c.offset + (self.groups - 1) * c.stride + c.rows for c in mine)
             if not got or got[0] != need or tuple(got[1:]) != tuple(local[1:]):
                 want = [need, *local[1:]]
                 problems.append(f"HF tensor {name!r} has shape {list(got)}, expected {want}")
@@ -87,7 +95,10 @@ class Interleave(RowBlocks):
                         dest = j * self._group_rows + before
                     else:
                         dest = mine * before + j * c.length
-                    yield from place(source, rows, start, start + c.length, dest)
+                    if c.repeat == 1:
+                        yield from place(source, rows, start, start + c.length, dest)
+                    else:
+                        yield from _repeated(source, rows, start, c, dest)
             before += c.length
 
     @property
@@ -95,9 +106,19 @@ class Interleave(RowBlocks):
         return sum(c.length for c in self.components)
 
 
+def _repeated(
+    source: torch.Tensor, rows: Rows, start: int, c: Component, dest: int
+) -> Iterator[Piece]:
+    """Rows ``[start, start + c.rows)`` each repeated ``c.repeat`` times, from ``dest`` on."""
+    for row in range(max(start, rows.start), min(start + c.rows, rows.stop)):
+        first = dest + (row - start) * c.repeat
+        one = source[row - rows.start]
+        yield first, first + c.repeat, one.unsqueeze(0).expand(c.repeat, *one.shape)
+
+
 def spec(groups: int, group_major: bool, components: Sequence[Component]) -> str:
     """The transform name of an :class:`Interleave` (see :func:`parse`)."""
-    parts = ",".join(f"{c.input}.{c.stride}.{c.offset}.{c.length}" for c in components)
+    parts = ",".join(f"{c.input}.{c.stride}.{c.offset}.{c.length}.{c.repeat}" for c in components)
     return f"interleave:{groups}:{'g' if group_major else 'c'}:{parts}"
 
 
@@ -116,6 +137,19 @@ def gated_qkv(heads: int, groups: int, head_dim: int) -> str:
     queries = [Component(0, per * 2 * d, i * 2 * d, d) for i in range(per)]
     gates = [Component(0, per * 2 * d, i * 2 * d + d, d) for i in range(per)]
     return spec(groups, True, [*queries, *gates, Component(1, d, 0, d), Component(2, d, 0, d)])
+
+
+def gated_qkv_scalar(heads: int, groups: int, head_dim: int) -> str:
+    """``linear_qkv`` with a per-head scalar gate ``g_proj`` (Step-3.5's ``QKVGMapping`` in
+    Megatron-Core's gated layout): a group is ``[its q heads, their gate rows each repeated
+    over the head dim, k, v]``."""
+    per, d = heads // groups, head_dim
+    gates = [Component(3, per, i, d, d) for i in range(per)]
+    return spec(
+        groups,
+        True,
+        [Component(0, per * d, 0, per * d), *gates, Component(1, d, 0, d), Component(2, d, 0, d)],
+    )
 
 
 def gdn_in_proj(key_heads: int, value_heads: int, key_dim: int, value_dim: int) -> str:

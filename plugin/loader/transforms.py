@@ -216,10 +216,11 @@ def _expert_shard(shard: Shard) -> Shard:
 
 
 class FusedExpert(RowBlocks):
-    """Expert ``expert`` of an HF tensor holding every expert along dim 0 (``[E, ...]``:
-    Megatron-Bridge's ``FusedExpertMapping``), made by ``inner`` from that expert's slice.
+    """Expert ``expert`` of HF tensors holding every expert along dim 0 (``[E, ...]``:
+    Megatron-Bridge's ``FusedExpertMapping``, Step-3.5's stacked experts), made by ``inner``
+    from that expert's slice of each.
 
-    The HF tensor's rows are experts, so a row block holds whole experts and this one's
+    The HF tensors' rows are experts, so a row block holds whole experts and this one's
     slice is taken from the block that holds it, never from the whole tensor.
     """
 
@@ -228,10 +229,12 @@ class FusedExpert(RowBlocks):
         self.inner = inner
 
     def check(self, hf: Sequence[Named], local: Shape, shard: Shard) -> list[str]:
-        ((name, got),) = hf
-        if len(got) < 2 or self.expert >= got[0]:
-            return [f"HF tensor {name!r} of shape {list(got)} has no expert {self.expert} in dim 0"]
-        return self.inner.check([(name, tuple(got[1:]))], local, shard)
+        for name, got in hf:
+            if len(got) < 2 or self.expert >= got[0]:
+                return [
+                    f"HF tensor {name!r} of shape {list(got)} has no expert {self.expert} in dim 0"
+                ]
+        return self.inner.check([(name, tuple(got[1:])) for name, got in hf], local, shard)
 
     def blocks(
         self, index: int, source: torch.Tensor, rows: Rows, local: Shape, shard: Shard

@@ -50,6 +50,13 @@ CASES = {  # bridge (or mapping class), parameter, holding module, rows before T
         56,
         "float32",
     ),
+    "scalar_gate-qkv": (
+        "Step35Bridge",
+        LAYER + "linear_qkv.weight",
+        "linear",
+        QKV_ROWS + 128,
+        "float32",
+    ),
     "vit-concatenated_qkv": (
         "Qwen3VLBridge",
         "vision_model." + LAYER + "linear_qkv.weight",

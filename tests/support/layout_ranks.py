@@ -122,11 +122,13 @@ def _bridge(bridge_class: str, mapping: Any) -> Any:
     from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
     from megatron.bridge.models.qwen import qwen3_next_bridge, qwen35_bridge
     from megatron.bridge.models.qwen_vl import qwen3_vl_bridge
+    from megatron.bridge.models.stepfun import step35_bridge
 
     classes = {
         "Qwen3NextBridge": qwen3_next_bridge.Qwen3NextBridge,
         "Qwen35Bridge": qwen35_bridge.Qwen35Bridge,
         "Qwen3VLBridge": qwen3_vl_bridge.Qwen3VLBridge,  # its ViT's fused qkv
+        "Step35Bridge": step35_bridge.Step35Bridge,
     }
     if bridge_class in classes:
         return classes[bridge_class]()
@@ -144,6 +146,7 @@ def _bridge(bridge_class: str, mapping: Any) -> Any:
 def _hf_tensors(mapping: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Random HF tensors of the shapes the mapping's HF side has for :func:`config`."""
     generator = torch.Generator().manual_seed(0)
+    scalar_gate = not isinstance(mapping.hf_param, str) and "g" in mapping.hf_param
     kd, vd = GDN["linear_key_head_dim"], GDN["linear_value_head_dim"]
     qk, v = GDN["linear_num_key_heads"] * kd, GDN["linear_num_value_heads"] * vd
     heads_v = GDN["linear_num_value_heads"]
@@ -158,7 +161,8 @@ def _hf_tensors(mapping: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         "in_proj_a": (heads_v, HIDDEN),
         "linear_attn.conv1d": (2 * qk + v, 1, 4),
         "mixer.conv1d": (mamba_x + 2 * mamba_bc, 1, 4),
-        "q_proj": (8 * 16 * 2, HIDDEN),
+        "q_proj": (8 * 16 * (1 if scalar_gate else 2), HIDDEN),  # [q, gate] per head without g
+        "g_proj": (8, HIDDEN),
         "k_proj": (4 * 16, HIDDEN),
         "v_proj": (4 * 16, HIDDEN),
         "linear_attn.norm": (kd,),
