@@ -166,6 +166,12 @@ _STANDARD_MODULE = "megatron.bridge.models.conversion.param_mapping"
 BRIDGE_CLASSES = {
     # MiniMax-M2's Q/K norms over all heads: a TP shard, replicated where key heads < TP
     "megatron.bridge.models.minimax_m2.minimax_m2_bridge._FullDimQKNormMapping": "column_shards",
+    # Ernie-4.5's: the standard classes (theirs change only the export), a squeezed bias
+    **{
+        f"megatron.bridge.models.ernie.ernie_45_bridge._PPSafe{base}": base
+        for base in ("AutoMapping", "ReplicatedMapping", "GatedMLPMapping")
+    },
+    "megatron.bridge.models.ernie.ernie_45_bridge._SqueezeBiasMapping": "squeezed",
     # Step-3.5's stacked experts: expert e of [E, ...] tensors, then as the standard class
     "megatron.bridge.models.stepfun.step35_bridge.StackedExpertAutoMapping": "AutoMapping",
     "megatron.bridge.models.stepfun.step35_bridge.StackedExpertGatedMLPMapping": "GatedMLPMapping",

@@ -111,6 +111,24 @@ class ColumnShards(RowBlocks):
         return place(source, rows, first, first + n, 0)
 
 
+class Squeezed(RowBlocks):
+    """A replicated tensor stored with a leading dim of one (Ernie-4.5's ``[1, E]`` expert
+    bias for an ``[E]`` parameter), or as the parameter."""
+
+    def check(self, hf: Sequence[Named], local: Shape, shard: Shard) -> list[str]:
+        ((name, got),) = hf
+        if tuple(got) in (tuple(local), (1, *local)):
+            return []
+        return [f"HF tensor {name!r} has shape {list(got)}, expected {list(local)} or [1, ...]"]
+
+    def blocks(
+        self, index: int, source: torch.Tensor, rows: Rows, local: Shape, shard: Shard
+    ) -> Iterator[Piece]:
+        if source.ndim == len(local) + 1:
+            return iter([(0, local[0], source[0])])
+        return place(source, rows, 0, rows.total, 0)
+
+
 class Vocab(RowBlocks):
     """Embedding / output rows: the padded vocabulary split along dim 0; padded rows are zero.
 
@@ -329,6 +347,7 @@ TRANSFORMS: dict[str, Transform] = _Transforms(
         "gate_up": GateUp(),
         "qkv": Qkv(),
         "column_shards": ColumnShards(),
+        "squeezed": Squeezed(),
         "expert_gate_up": ExpertTensorParallel(GateUp()),
         "expert_row_parallel": ExpertTensorParallel(RowParallel()),
     }

@@ -130,20 +130,6 @@ def test_a_source_that_is_not_a_local_directory_is_left_to_the_bridge(
     assert "the source 'Qwen/Qwen3-8B' is not a local checkpoint directory" in lines0[0]
 
 
-def test_nemotron_h_registry_is_left_to_the_bridge_naming_a_mapping_class() -> None:
-    """Mamba's input projection (z, x, B, C, dt) has no translation yet."""
-    from support.bridge_ranks import import_megatron_bridge
-
-    from megastart.loader.bridge import Untranslatable, bridge_table
-
-    import_megatron_bridge()
-    from megatron.bridge.models.nemotronh.nemotron_h_bridge import NemotronHBridge
-
-    bridge = NemotronHBridge.__new__(NemotronHBridge)
-    with pytest.raises(Untranslatable, match=r"maps '.*in_proj.weight' with MambaInProjMapping"):
-        bridge_table(bridge, [], ("NemotronHForCausalLM",), tied=False)
-
-
 def test_architectures_lists_what_megatron_bridge_megastart_serves() -> None:
     """Run in-process: Megatron-Bridge imports here only with the test shims."""
     from support.bridge_ranks import import_megatron_bridge
