@@ -98,11 +98,19 @@ def model_bridge(bridge: Any) -> Any:
     return inner
 
 
+HOOK_TRANSFORMS = {
+    # swaps the column halves of MTP's input_proj.weight, returns the rest as loaded
+    "MimoBridge.maybe_modify_loaded_hf_weight": (".input_proj.weight", "swapped_halves"),
+}
+"""Hooks that change some weights in a way one transform reproduces: the HF name's suffix
+they change, and the transform wrapped around the mapping's own."""
+
+
 def check_hooks(bridge: Any) -> None:
     """Raise :class:`Untranslatable` if the bridge changes loaded weights in a way megastart
     does not reproduce."""
     hook = type(bridge).maybe_modify_loaded_hf_weight
-    if hook.__qualname__ not in REPRODUCED_HOOKS:
+    if hook.__qualname__ not in REPRODUCED_HOOKS and hook.__qualname__ not in HOOK_TRANSFORMS:
         raise Untranslatable(
             f"Megatron-Bridge's {type(bridge).__name__} changes each loaded weight "
             f"({hook.__qualname__}), which megastart does not reproduce"
@@ -224,6 +232,11 @@ def _rule(
             )
     if one_expert:
         transform = f"fused_expert:{_expert_number(canonical)}:{transform}"
+    suffix, wrapper = HOOK_TRANSFORMS.get(
+        type(bridge).maybe_modify_loaded_hf_weight.__qualname__, ("", "")
+    )
+    if wrapper and isinstance(hf, str) and hf.endswith(suffix):
+        transform = f"{wrapper}:{transform}"
     if kind == "RMSNorm2ZeroCenteredRMSNormMapping":
         param = str(getattr(module, canonical.rsplit(".", 1)[1]).dtype).removeprefix("torch.")
         centred = zero_centred(transform, stored(names[0]), param)

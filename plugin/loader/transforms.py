@@ -129,6 +129,30 @@ class Squeezed(RowBlocks):
         return place(source, rows, 0, rows.total, 0)
 
 
+class SwappedHalves(RowBlocks):
+    """``inner`` on the HF tensor with the two halves of its columns swapped (MiMo's MTP
+    ``input_proj``: its bridge's hook stores ``[hidden, embedding]`` as Megatron's
+    ``[embedding, hidden]`` order), one row block at a time."""
+
+    def __init__(self, inner: Transform) -> None:
+        self.inner = inner
+
+    def check(self, hf: Sequence[Named], local: Shape, shard: Shard) -> list[str]:
+        ((name, got),) = hf
+        if len(got) < 2 or got[1] % 2:
+            return [f"HF tensor {name!r} has shape {list(got)}: no even dim 1 to swap halves of"]
+        return self.inner.check(hf, local, shard)
+
+    def blocks(
+        self, index: int, source: torch.Tensor, rows: Rows, local: Shape, shard: Shard
+    ) -> Iterator[Piece]:
+        import torch
+
+        half = source.shape[1] // 2
+        swapped = torch.cat((source[:, half:], source[:, :half]), dim=1)
+        return self.inner.blocks(index, swapped, rows, local, shard)
+
+
 class Vocab(RowBlocks):
     """Embedding / output rows: the padded vocabulary split along dim 0; padded rows are zero.
 
@@ -318,7 +342,8 @@ def _oriented(tensor: torch.Tensor, shape: Shape) -> torch.Tensor:
 
 class _Transforms(dict[str, Transform]):
     """The transforms by name; a parameterised name makes its transform on first use:
-    ``fused_expert:{e}:{inner}``, ``fused_gated_expert:{e}``, ``zero_centred:{dtype}:{inner}``
+    ``fused_expert:{e}:{inner}``, ``fused_gated_expert:{e}``, ``zero_centred:{dtype}:{inner}``,
+    ``swapped_halves:{inner}``
     and ``interleave:...`` (:mod:`megastart.loader.interleave`)."""
 
     def __missing__(self, name: str) -> Transform:
@@ -326,6 +351,8 @@ class _Transforms(dict[str, Transform]):
         expert, _, inner = args.partition(":")
         if kind == "interleave":
             made: Transform = interleave.parse(args)
+        elif kind == "swapped_halves" and args in self:
+            made = SwappedHalves(self[args])
         elif kind == "zero_centred" and inner in self:
             made = interleave.ZeroCentred(self[inner], expert)
         elif kind == "fused_expert" and inner in self:

@@ -17,7 +17,7 @@ import torch
 if importlib.util.find_spec("megatron.bridge") is None:
     pytest.skip("Megatron-Bridge is not installed here", allow_module_level=True)
 
-from support.layout_ranks import full_dim_norm, theirs_and_ours
+from support.layout_ranks import full_dim_norm, mimo_input_proj, theirs_and_ours
 
 from megastart.harness.launch import RankPool
 
@@ -91,3 +91,11 @@ def test_minimax_m2_full_dimension_norms_take_the_rows_their_module_declares(
     Megatron's checkpoints use) says which rows each rank holds, replicas included."""
     for rank, (expected, ours) in enumerate(rank_pools[2].run(full_dim_norm, which, key_heads)):
         assert torch.equal(expected, ours), f"rank {rank}: {which} norm rows differ"
+
+
+def test_mimo_mtp_input_proj_loads_as_its_bridges_hook_swaps_it(
+    rank_pools: dict[int, RankPool],
+) -> None:
+    for rank, (theirs, ours, name) in enumerate(rank_pools[2].run(mimo_input_proj)):
+        assert name.startswith("swapped_halves:"), name
+        assert torch.equal(theirs, ours), f"rank {rank}: eh_proj differs ({name})"

@@ -225,3 +225,38 @@ def full_dim_norm(which: str, key_heads: int) -> tuple[torch.Tensor, torch.Tenso
         for first, stop, piece in transform.pieces([full], local, shard):
             ours[first:stop] = piece
         return expected, ours
+
+
+def mimo_input_proj() -> tuple[torch.Tensor, torch.Tensor, str]:
+    """MiMo's MTP ``eh_proj`` at TP2: the bridge's hook and mapping on a random HF
+    ``input_proj``, and megastart's translation placing it from three row blocks."""
+    from megastart.loader.bridge import bridge_table
+    from megastart.loader.transforms import TRANSFORMS, Rows, Shard
+
+    import_megatron_bridge()
+    from megatron.bridge.models.mimo.mimo_bridge import MimoBridge
+
+    with megatron({"tp": 2}):
+        module = holder("linear", 2 * HIDDEN, torch.float32)
+        canonical, name = "mtp.layers.0.eh_proj.weight", "model.mtp_layers.0.input_proj.weight"
+        bridge = MimoBridge()
+        mapping = bridge.mapping_registry().megatron_to_hf_lookup(canonical)
+        whole = torch.randn(2 * HIDDEN, HIDDEN, generator=torch.Generator().manual_seed(0))
+        theirs = mapping.hf_to_megatron(
+            bridge.maybe_modify_loaded_hf_weight(name, {name: whole}), module
+        )
+        rule = bridge_table(bridge, [(canonical, module, False)], (), tied=False).by_name[canonical]
+        local = tuple(module.weight.shape)
+        shard = Shard(torch.distributed.get_rank(), 2, 8, 4, 16)
+        transform = TRANSFORMS[rule.transform]
+        assert rule.hf == (name,) and not transform.check(
+            [(name, tuple(whole.shape))], local, shard
+        )
+        ours = torch.full(local, float("nan"))
+        total = whole.shape[0]
+        for start, stop in ((0, 50), (50, 51), (51, total)):
+            for first, last, piece in transform.blocks(
+                0, whole[start:stop], Rows(start, stop, total), local, shard
+            ):
+                ours[first:last] = piece
+        return theirs, ours, rule.transform
