@@ -101,6 +101,10 @@ def model_bridge(bridge: Any) -> Any:
 HOOK_TRANSFORMS = {
     # swaps the column halves of MTP's input_proj.weight, returns the rest as loaded
     "MimoBridge.maybe_modify_loaded_hf_weight": (".input_proj.weight", "swapped_halves"),
+    # transposes bf16 experts' down_proj to [E, H, I]: the down transform orients by shape
+    # as the hook does (an MXFP4 release, which the hook dequantises, is refused before
+    # any mapping is read: the host loads it)
+    "GPTOSSBridge.maybe_modify_loaded_hf_weight": (".mlp.experts.down_proj", "oriented"),
 }
 """Hooks that change some weights in a way one transform reproduces: the HF name's suffix
 they change, and the transform wrapped around the mapping's own."""
@@ -180,13 +184,23 @@ BRIDGE_CLASSES = {
         for base in ("AutoMapping", "ReplicatedMapping", "GatedMLPMapping")
     },
     "megatron.bridge.models.ernie.ernie_45_bridge._SqueezeBiasMapping": "squeezed",
+    # gpt-oss's experts: expert e of [E, ...] tensors, gate/up interleaved by row, down
+    # transposed by the bridge's hook (gpt_oss_bridge), biases replicated per expert
+    "megatron.bridge.models.gpt_oss.gpt_oss_bridge.GPTOSSMLPGateUpProjMapping": "even_odd_gate_up",
+    "megatron.bridge.models.gpt_oss.gpt_oss_bridge.GPTOSSMLPDownProjMapping": "AutoMapping",
     # Step-3.5's stacked experts: expert e of [E, ...] tensors, then as the standard class
     "megatron.bridge.models.stepfun.step35_bridge.StackedExpertAutoMapping": "AutoMapping",
     "megatron.bridge.models.stepfun.step35_bridge.StackedExpertGatedMLPMapping": "GatedMLPMapping",
 }
 """Mapping classes of one bridge's own (by module and class): a transform, or the standard
 class whose translation they take for one expert of stacked tensors."""
-_ONE_EXPERT = {"FusedExpertMapping", "StackedExpertAutoMapping", "StackedExpertGatedMLPMapping"}
+_ONE_EXPERT = {
+    "FusedExpertMapping",
+    "StackedExpertAutoMapping",
+    "StackedExpertGatedMLPMapping",
+    "GPTOSSMLPGateUpProjMapping",
+    "GPTOSSMLPDownProjMapping",
+}
 """Classes that take expert ``e``'s slice of ``[E, ...]`` tensors, then do their base's work."""
 
 
@@ -197,6 +211,8 @@ def _rule(
     own = BRIDGE_CLASSES.get(f"{type(mapping).__module__}.{kind}", kind)
     one_expert = kind in _ONE_EXPERT
     if own not in TRANSLATED:  # a bridge's own class with a transform of its own
+        if one_expert:
+            own = f"fused_expert:{_expert_number(canonical)}:{own}"
         return Rule((canonical,), (mapping.hf_param,), own)
     kind = own  # a standard class, or one doing a standard class's work on one expert's slice
     hf = mapping.hf_param
@@ -235,7 +251,9 @@ def _rule(
     suffix, wrapper = HOOK_TRANSFORMS.get(
         type(bridge).maybe_modify_loaded_hf_weight.__qualname__, ("", "")
     )
-    if wrapper and isinstance(hf, str) and hf.endswith(suffix):
+    if wrapper == "oriented" and isinstance(hf, str) and hf.endswith(suffix):
+        transform = transform.replace("expert_row_parallel", "expert_oriented_row_parallel")
+    elif wrapper and isinstance(hf, str) and hf.endswith(suffix):
         transform = f"{wrapper}:{transform}"
     if kind == "RMSNorm2ZeroCenteredRMSNormMapping":
         param = str(getattr(module, canonical.rsplit(".", 1)[1]).dtype).removeprefix("torch.")

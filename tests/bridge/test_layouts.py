@@ -17,7 +17,12 @@ import torch
 if importlib.util.find_spec("megatron.bridge") is None:
     pytest.skip("Megatron-Bridge is not installed here", allow_module_level=True)
 
-from support.layout_ranks import full_dim_norm, mimo_input_proj, theirs_and_ours
+from support.layout_ranks import (
+    full_dim_norm,
+    gpt_oss_experts,
+    mimo_input_proj,
+    theirs_and_ours,
+)
 
 from megastart.harness.launch import RankPool
 
@@ -99,3 +104,15 @@ def test_mimo_mtp_input_proj_loads_as_its_bridges_hook_swaps_it(
     for rank, (theirs, ours, name) in enumerate(rank_pools[2].run(mimo_input_proj)):
         assert name.startswith("swapped_halves:"), name
         assert torch.equal(theirs, ours), f"rank {rank}: eh_proj differs ({name})"
+
+
+@pytest.mark.parametrize("intermediate", [48, 64], ids=["I48", "square"])
+def test_gpt_oss_experts_load_as_its_bridge_loads_bf16_releases(
+    rank_pools: dict[int, RankPool], intermediate: int
+) -> None:
+    """Expert tensor parallelism 1 (its bridge aligns gate/up to the local shape); a square
+    down_proj is transposed, as its bridge's hook transposes it."""
+    for rank, loaded in enumerate(rank_pools[2].run(gpt_oss_experts, intermediate)):
+        for theirs, ours, name in loaded:
+            assert name.startswith("fused_expert:3:"), name
+            assert torch.equal(theirs, ours), f"rank {rank}: {name} differs"

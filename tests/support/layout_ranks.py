@@ -260,3 +260,68 @@ def mimo_input_proj() -> tuple[torch.Tensor, torch.Tensor, str]:
             ):
                 ours[first:last] = piece
         return theirs, ours, rule.transform
+
+
+def gpt_oss_experts(intermediate: int) -> list[tuple[torch.Tensor, torch.Tensor, str]]:
+    """gpt-oss's expert 3 (``linear_fc1`` / ``linear_fc2`` weights and biases, sequential
+    experts) at TP2 with expert TP 1: the bridge's hook and mapping on bf16-layout HF tensors
+    (``gate_up_proj [E, H, 2I]``, ``down_proj [E, I, H]`` as transformers writes them), and
+    megastart's translation placing each from row blocks of two experts."""
+    from types import SimpleNamespace
+
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from transformers import GptOssConfig
+
+    from megastart.loader.bridge import bridge_table
+    from megastart.loader.transforms import TRANSFORMS, Rows, Shard
+
+    import_megatron_bridge()
+    from megatron.bridge.models.gpt_oss.gpt_oss_bridge import GPTOSSBridge
+
+    experts, hidden = 4, HIDDEN
+    hf_config = GptOssConfig(hidden_size=hidden, intermediate_size=intermediate)
+    generator = torch.Generator().manual_seed(0)
+    layer = "model.layers.0.mlp.experts."
+    hf = {
+        layer + "gate_up_proj": torch.randn(experts, hidden, 2 * intermediate, generator=generator),
+        layer + "gate_up_proj_bias": torch.randn(experts, 2 * intermediate, generator=generator),
+        layer + "down_proj": torch.randn(experts, intermediate, hidden, generator=generator),
+        layer + "down_proj_bias": torch.randn(experts, hidden, generator=generator),
+    }
+    out = []
+    with megatron({"tp": 2, "etp": 1}):
+        cfg = config()
+        init = dict(config=cfg, init_method=torch.nn.init.zeros_, bias=True, is_expert=True)
+        fc1 = ColumnParallelLinear(hidden, 2 * intermediate, gather_output=False, **init)
+        fc2 = RowParallelLinear(
+            intermediate, hidden, input_is_parallel=True, skip_bias_add=False, **init
+        )
+        bridge = GPTOSSBridge()
+        bridge.hf_pretrained = SimpleNamespace(config=hf_config)  # what its hook reads
+        registry = bridge.mapping_registry()
+        expert = "decoder.layers.0.mlp.experts.local_experts.3."
+        shard = Shard(torch.distributed.get_rank(), 2, 8, 4, 16, expert_tp_rank=0, expert_tp_size=1)
+        for module, param in (
+            (fc1, "linear_fc1.weight"),
+            (fc1, "linear_fc1.bias"),
+            (fc2, "linear_fc2.weight"),
+            (fc2, "linear_fc2.bias"),
+        ):
+            canonical = expert + param
+            mapping = registry.megatron_to_hf_lookup(canonical)
+            name = mapping.hf_param
+            theirs = mapping.hf_to_megatron(bridge.maybe_modify_loaded_hf_weight(name, hf), module)
+            rule = bridge_table(bridge, [(canonical, module, False)], (), tied=False).by_name[
+                canonical
+            ]
+            local = tuple(getattr(module, param.split(".")[1]).shape)
+            transform = TRANSFORMS[rule.transform]
+            assert not transform.check([(name, tuple(hf[name].shape))], local, shard), rule
+            ours = torch.full(local, float("nan"))
+            for start, stop in ((0, 2), (2, 4)):
+                for first, last, piece in transform.blocks(
+                    0, hf[name][start:stop], Rows(start, stop, experts), local, shard
+                ):
+                    ours[first:last] = piece
+            out.append((theirs, ours, rule.transform))
+    return out
