@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import nox
 
-nox.options.sessions = ["lint", "tests", "megatron", "verl", "verl07", "areal"]
+nox.options.sessions = ["lint", "tests", "megatron", "verl", "bridge", "verl07", "areal"]
 nox.options.reuse_existing_virtualenvs = True
 
 PYTHON = "3.11"
@@ -92,7 +92,7 @@ def megatron(session: nox.Session, core: str) -> None:
     session.run("pytest", *(session.posargs or [*MEGATRON_SUBSET, "-q"]))
 
 
-MODELOPT_NEEDS = ("ninja", "nvidia-ml-py", "pulp", "scipy")
+MODELOPT_NEEDS = ("ninja", "nvidia-ml-py", "pulp", "scipy", "requests")
 """megatron-bridge imports nvidia-modelopt, which imports these."""
 
 VERL = "verl==0.9.1"
@@ -137,6 +137,29 @@ def verl(session: nox.Session) -> None:
     session.install(TORCH, "numpy<2.5", "triton")
     session.run("pytest", *VERL_BRIDGE_TESTS, "-x", "-q")
     session.run("pytest", *BRIDGE_TESTS, *LIBRARY_TESTS, "-x", "-q")
+
+
+BRIDGE = ("megatron-core==0.19.2", "megatron-bridge==0.6.2", "nvidia-modelopt==0.44.0")
+BRIDGE_TRANSFORMERS = "transformers==5.12.1"
+"""The newest Megatron-Bridge's ``transformers`` ceiling (it declares 5.8 to 5.12.1): the
+tiny checkpoints of Qwen3.5, Qwen3-Next and the vision-language models are written with it."""
+
+
+@session
+def bridge(session: nox.Session) -> None:
+    """megastart's load against Megatron-Bridge 0.6.2's own (``tests/bridge``), on CPU.
+
+    0.6.2 declares Python 3.12 (``>=3.12,<3.13``) and installs here on 3.11 like
+    0.5.1 does in the ``verl`` session: ``--ignore-requires-python --no-deps``, with
+    what it imports, so both releases are tested against the CPU build of torch
+    (the index has torch for 3.12 only as the CUDA build: CONTRIBUTING.md says more).
+    """
+    session.install(TORCH)
+    session.install(MEGATRON, "einops", BRIDGE_TRANSFORMERS, *MODELOPT_NEEDS)
+    session.install(".[test]", "-e", "tests/fixtures/toyplugin")
+    session.install("--ignore-requires-python", "--no-deps", *BRIDGE)
+    session.install(TORCH, "numpy<2.5", "triton", BRIDGE_TRANSFORMERS)
+    session.run("pytest", *(session.posargs or [*BRIDGE_TESTS, "-x", "-q"]))
 
 
 VERL07 = "verl==0.7.1"

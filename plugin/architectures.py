@@ -82,7 +82,7 @@ def verdict(bridge: Any) -> dict[str, str]:
             "served": "at load time",
             "why": f"its registry needs the model's config ({type(e).__name__}: {e})",
         }
-    return {"bridge": kind, "served": "yes", "why": "every mapping is a standard one"}
+    return {"bridge": kind, "served": "yes", "why": "megastart translates every mapping"}
 
 
 def predict(checkpoint: str) -> dict[str, Any]:

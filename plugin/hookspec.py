@@ -55,7 +55,8 @@ def on_model_load(engine: EngineContext, checkpoint: str) -> LoadReport | None:
     adapter nearest the host.
 
     :param engine: this rank's engine; ``engine.model_chunks`` are the chunks to
-        fill in place.
+        fill in place (GPT decoders, or multimodal models whose towers are
+        parameters of the chunk like the decoder's).
     :param checkpoint: the HF checkpoint directory (``config.json`` and
         ``*.safetensors``).
     :returns: a :class:`~megastart.records.LoadReport` when this implementation

@@ -33,7 +33,10 @@ class EngineContext:
 
     model_chunks: Sequence[Any]
     """This rank's Megatron-core model chunks, one per virtual pipeline stage,
-    unwrapped from DDP / Float16Module (``GPTModel`` instances)."""
+    unwrapped from DDP / Float16Module: ``GPTModel`` instances, or (where the host's
+    Megatron-Bridge built them) a multimodal model holding its language model as
+    ``language_model`` beside its towers (``vision_model``, ``visual``, ...). The load
+    fills every parameter of each chunk that the mapping names, towers included."""
 
     parallel_state: ModuleType
     """The ``megatron.core.parallel_state`` module the host initialised."""

@@ -8,24 +8,27 @@ load gets the HF tensors its mapping names and the megastart transform that
 does what the mapping's ``hf_to_megatron`` does, so the one reader streams each
 rank only what it takes, as with the built-in tables.
 
-All or nothing: a registry that maps parameters outside a GPT decoder (vision
-towers: multimodal models), a mapping class not in :data:`TRANSLATED` (subclasses
-included), an ``AutoMapping`` with
-``permute_dims``, a module whose parallelism ``AutoMapping`` cannot tell, or a
-bridge whose ``maybe_modify_loaded_hf_weight`` does more than megastart does
-itself (:data:`REPRODUCED_HOOKS`) leaves the whole load to the bridge
-(:class:`Untranslatable`, decided on every rank together). What the bridge
+A multimodal model's towers (vision, audio) are parameters like the decoder's:
+mostly ``ReplicatedMapping`` over ``prefix.**`` (read whole by each rank), a
+TP-sharded ViT's ``ConcatenatedQKVMapping`` (three row ranges per group). All or
+nothing: a mapping class not in :data:`TRANSLATED` (subclasses included), an
+``AutoMapping`` with ``permute_dims``, a module whose parallelism ``AutoMapping``
+cannot tell, or a bridge whose ``maybe_modify_loaded_hf_weight`` does more than
+megastart does itself (:data:`REPRODUCED_HOOKS`) leaves the whole load to the
+bridge (:class:`Untranslatable`, decided on every rank together). What the bridge
 leaves alone, megastart leaves too: adapter parameters (LoRA) and parameters no
 mapping names (:meth:`BridgeTable.leaves`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from megastart.errors import PlanError
 from megastart.loader.archs.table import MappingTable, Rule
+from megastart.loader.bridge_layouts import CONFIGURED, configured, gated_qkv, zero_centred
 
 TRANSLATED = {
     "AutoMapping": "",  # the parallelism of the module: column, row or replicated
@@ -35,6 +38,10 @@ TRANSLATED = {
     "DirectMapping": "replicated",
     "QKVMapping": "qkv",
     "GatedMLPMapping": "gate_up",
+    "FusedExpertMapping": "",  # one expert of an [E, ...] tensor, then its module's parallelism
+    "FusedGatedExpertMapping": "fused_gated_expert",  # one expert's gate/up of an [E, ...] tensor
+    "RMSNorm2ZeroCenteredRMSNormMapping": "",  # its module's parallelism, minus one
+    **dict.fromkeys(CONFIGURED, "interleave"),  # layouts from the config (bridge_layouts)
 }
 """Megatron-Bridge's standard mapping classes (by exact class) and the transforms that
 reproduce them; ``AutoMapping`` takes its module's."""
@@ -49,6 +56,8 @@ REPRODUCED_HOOKS = {
     "MegatronModelBridge.maybe_modify_loaded_hf_weight",
     # dequantises FP8 block-scaled weights with their *_scale_inv, as megastart does
     "DeepSeekV3Bridge.maybe_modify_loaded_hf_weight",
+    # the same helper (quantization_utils.maybe_dequantize_fp8_blockwise), 128x128 blocks
+    "MiniMaxM2Bridge.maybe_modify_loaded_hf_weight",
 }
 """``maybe_modify_loaded_hf_weight`` implementations (by qualified name) whose result
 megastart's own load equals."""
@@ -75,15 +84,37 @@ class BridgeTable(MappingTable):
 
 
 def model_bridge(bridge: Any) -> Any:
-    """The ``MegatronModelBridge`` of an ``AutoBridge`` (or the bridge itself)."""
-    return bridge._model_bridge if hasattr(bridge, "_model_bridge") else bridge
+    """The ``MegatronModelBridge`` of an ``AutoBridge`` (or the bridge itself), holding the
+    checkpoint it loads as the bridge's own load gives it one (``build_conversion_tasks``):
+    from 0.6 a registry picks fused or per-expert expert mappings from the checkpoint's keys
+    (``moe_experts_stored_packed``), and some read its config (GLM-4.5, gpt-oss)."""
+    if not hasattr(bridge, "_model_bridge"):
+        return bridge
+    inner = bridge._model_bridge  # a new one on every access
+    pretrained = getattr(bridge, "hf_pretrained", None)
+    if pretrained is not None:
+        inner.hf_pretrained = pretrained
+        inner.hf_config = getattr(pretrained, "config", pretrained)
+    return inner
+
+
+HOOK_TRANSFORMS = {
+    # swaps the column halves of MTP's input_proj.weight, returns the rest as loaded
+    "MimoBridge.maybe_modify_loaded_hf_weight": (".input_proj.weight", "swapped_halves"),
+    # transposes bf16 experts' down_proj to [E, H, I]: the down transform orients by shape
+    # as the hook does (an MXFP4 release, which the hook dequantises, is refused before
+    # any mapping is read: the host loads it)
+    "GPTOSSBridge.maybe_modify_loaded_hf_weight": (".mlp.experts.down_proj", "oriented"),
+}
+"""Hooks that change some weights in a way one transform reproduces: the HF name's suffix
+they change, and the transform wrapped around the mapping's own."""
 
 
 def check_hooks(bridge: Any) -> None:
     """Raise :class:`Untranslatable` if the bridge changes loaded weights in a way megastart
     does not reproduce."""
     hook = type(bridge).maybe_modify_loaded_hf_weight
-    if hook.__qualname__ not in REPRODUCED_HOOKS:
+    if hook.__qualname__ not in REPRODUCED_HOOKS and hook.__qualname__ not in HOOK_TRANSFORMS:
         raise Untranslatable(
             f"Megatron-Bridge's {type(bridge).__name__} changes each loaded weight "
             f"({hook.__qualname__}), which megastart does not reproduce"
@@ -96,11 +127,13 @@ def bridge_table(
     architectures: tuple[str, ...],
     *,
     tied: bool,
+    stored: Callable[[str], str | None] = lambda name: None,
 ) -> BridgeTable:
     """The table for this rank's ``params`` (canonical name, owning module, whether a buffer),
     from the bridge's registry; raises :class:`Untranslatable` for anything it does not
     reproduce. A buffer no mapping names is model state the load does not touch; with
-    ``tied`` embeddings the bridge leaves the output layer to the embedding."""
+    ``tied`` embeddings the bridge leaves the output layer to the embedding. ``stored``: an
+    HF tensor's dtype in the checkpoint (where a mapping computes in it)."""
     bridge = model_bridge(bridge)
     check_hooks(bridge)
     registry = bridge.mapping_registry()
@@ -111,29 +144,23 @@ def bridge_table(
     is_adapter = getattr(bridge, "_is_adapter_param_name", lambda name: False)
     unwrap_lora = getattr(bridge, "_get_lora_unwrapped_name", lambda name: name)
     for canonical, module, buffer in params:
-        if is_adapter(canonical) or (tied and canonical.startswith("output_layer.")):
+        if is_adapter(canonical) or (
+            tied and _language_part(canonical).startswith("output_layer.")
+        ):
             left.add(canonical)
             continue
         mapping = registry.megatron_to_hf_lookup(unwrap_lora(canonical))
         if mapping is not None:
-            by_name[canonical] = _rule(bridge, mapping, canonical, module)
+            by_name[canonical] = _rule(bridge, mapping, canonical, module, stored)
         elif not buffer:  # a buffer no mapping names is state the load does not touch
             left.add(canonical)
     return BridgeTable(architectures, (), by_name=by_name, left=frozenset(left))
 
 
-GPT_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
-"""Where a Megatron GPTModel's parameters are: a registry that maps any other (a vision
-tower, a language model nested in a multimodal one) is not one megastart loads."""
-
-
 def _check_class(bridge: Any, mapping: Any) -> None:
-    if not str(mapping.megatron_param).startswith(GPT_PREFIXES):
-        raise Untranslatable(
-            f"Megatron-Bridge's {type(bridge).__name__} maps {mapping.megatron_param!r}, "
-            "outside a GPT decoder (a multimodal model): megastart loads decoder-only models"
-        )
     kind = type(mapping).__name__
+    if f"{type(mapping).__module__}.{kind}" in BRIDGE_CLASSES:
+        return
     if kind not in TRANSLATED or type(mapping).__module__ != _STANDARD_MODULE:
         raise Untranslatable(
             f"Megatron-Bridge's {type(bridge).__name__} maps {mapping.megatron_param!r} with "
@@ -148,20 +175,69 @@ def _check_class(bridge: Any, mapping: Any) -> None:
 
 _STANDARD_MODULE = "megatron.bridge.models.conversion.param_mapping"
 
+BRIDGE_CLASSES = {
+    # MiniMax-M2's Q/K norms over all heads: a TP shard, replicated where key heads < TP
+    "megatron.bridge.models.minimax_m2.minimax_m2_bridge._FullDimQKNormMapping": "column_shards",
+    # Ernie-4.5's: the standard classes (theirs change only the export), a squeezed bias
+    **{
+        f"megatron.bridge.models.ernie.ernie_45_bridge._PPSafe{base}": base
+        for base in ("AutoMapping", "ReplicatedMapping", "GatedMLPMapping")
+    },
+    "megatron.bridge.models.ernie.ernie_45_bridge._SqueezeBiasMapping": "squeezed",
+    # gpt-oss's experts: expert e of [E, ...] tensors, gate/up interleaved by row, down
+    # transposed by the bridge's hook (gpt_oss_bridge), biases replicated per expert
+    "megatron.bridge.models.gpt_oss.gpt_oss_bridge.GPTOSSMLPGateUpProjMapping": "even_odd_gate_up",
+    "megatron.bridge.models.gpt_oss.gpt_oss_bridge.GPTOSSMLPDownProjMapping": "AutoMapping",
+    # Step-3.5's stacked experts: expert e of [E, ...] tensors, then as the standard class
+    "megatron.bridge.models.stepfun.step35_bridge.StackedExpertAutoMapping": "AutoMapping",
+    "megatron.bridge.models.stepfun.step35_bridge.StackedExpertGatedMLPMapping": "GatedMLPMapping",
+}
+"""Mapping classes of one bridge's own (by module and class): a transform, or the standard
+class whose translation they take for one expert of stacked tensors."""
+_ONE_EXPERT = {
+    "FusedExpertMapping",
+    "StackedExpertAutoMapping",
+    "StackedExpertGatedMLPMapping",
+    "GPTOSSMLPGateUpProjMapping",
+    "GPTOSSMLPDownProjMapping",
+}
+"""Classes that take expert ``e``'s slice of ``[E, ...]`` tensors, then do their base's work."""
 
-def _rule(bridge: Any, mapping: Any, canonical: str, module: Any) -> Rule:
+
+def _rule(
+    bridge: Any, mapping: Any, canonical: str, module: Any, stored: Callable[[str], str | None]
+) -> Rule:
     kind = type(mapping).__name__
+    own = BRIDGE_CLASSES.get(f"{type(mapping).__module__}.{kind}", kind)
+    one_expert = kind in _ONE_EXPERT
+    if own not in TRANSLATED:  # a bridge's own class with a transform of its own
+        if one_expert:
+            own = f"fused_expert:{_expert_number(canonical)}:{own}"
+        return Rule((canonical,), (mapping.hf_param,), own)
+    kind = own  # a standard class, or one doing a standard class's work on one expert's slice
     hf = mapping.hf_param
     names = (hf,) if isinstance(hf, str) else tuple(hf[k] for k in _INPUTS[kind])
     transform = TRANSLATED[kind]
-    if kind == "AutoMapping":
+    if kind in CONFIGURED:
+        layout = configured(kind, mapping, module)
+        if layout is None:
+            raise Untranslatable(
+                f"Megatron-Bridge's {type(bridge).__name__} maps {canonical!r} with {kind} under "
+                "a config megastart does not translate (an output gate)"
+            )
+        return Rule((canonical,), names, layout)
+    if kind == "QKVMapping":
+        transform = gated_qkv(mapping, module) or transform
+    if TRANSLATED[kind] == "":  # AutoMapping and its subclasses: the module's parallelism
         try:
             transform = _BY_PARALLELISM[mapping._detect_parallelism_type(module)]
         except ValueError as e:
             raise Untranslatable(
                 f"Megatron-Bridge's {type(bridge).__name__}: {e}".splitlines()[0]
             ) from None
-    if transform == "column_parallel" and canonical in _VOCAB:
+    if kind == "FusedGatedExpertMapping":
+        return Rule((canonical,), names, f"{transform}:{_expert_number(canonical)}")
+    if transform == "column_parallel" and _language_part(canonical) in _VOCAB:
         transform = "vocab"
     if mapping.is_expert:
         transform = _EXPERT.get(transform, transform)
@@ -170,8 +246,46 @@ def _rule(bridge: Any, mapping: Any, canonical: str, module: Any) -> Rule:
                 f"Megatron-Bridge's {type(bridge).__name__} maps the expert parameter "
                 f"{canonical!r} with {kind} ({transform}), which megastart does not translate"
             )
+    if one_expert:
+        transform = f"fused_expert:{_expert_number(canonical)}:{transform}"
+    suffix, wrapper = HOOK_TRANSFORMS.get(
+        type(bridge).maybe_modify_loaded_hf_weight.__qualname__, ("", "")
+    )
+    if wrapper == "oriented" and isinstance(hf, str) and hf.endswith(suffix):
+        transform = transform.replace("expert_row_parallel", "expert_oriented_row_parallel")
+    elif wrapper and isinstance(hf, str) and hf.endswith(suffix):
+        transform = f"{wrapper}:{transform}"
+    if kind == "RMSNorm2ZeroCenteredRMSNormMapping":
+        param = str(getattr(module, canonical.rsplit(".", 1)[1]).dtype).removeprefix("torch.")
+        centred = zero_centred(transform, stored(names[0]), param)
+        if centred is None:
+            raise Untranslatable(
+                f"Megatron-Bridge's {type(bridge).__name__} subtracts one from {names[0]!r} in "
+                f"the checkpoint's dtype ({stored(names[0])}) before casting to {param}: "
+                "megastart casts first, so the two differ"
+            )
+        transform = centred
     return Rule((canonical,), names, transform)
 
 
-_INPUTS = {"QKVMapping": ("q", "k", "v"), "GatedMLPMapping": ("gate", "up")}
+def _language_part(canonical: str) -> str:
+    """``canonical`` without the prefix a multimodal model puts before its language model."""
+    for prefix in _LANGUAGE_MODELS:
+        if canonical.startswith(prefix):
+            return canonical.removeprefix(prefix)
+    return canonical
+
+
+_LANGUAGE_MODELS = ("thinker.language_model.", "language_model.", "llava_model.language_model.")
+"""Where multimodal models built by Megatron-Bridge hold their language model."""
+
+
+def _expert_number(canonical: str) -> int:
+    """The (global) expert a fused mapping takes from dim 0, found as the bridge finds it."""
+    from megatron.bridge.utils.common_utils import extract_expert_number_from_param
+
+    return int(extract_expert_number_from_param(canonical))
+
+
+_INPUTS = {"QKVMapping": ("q", "k", "v"), "GatedMLPMapping": ("gate", "up"), **CONFIGURED}
 """The order in which a fused mapping's HF tensors are the transform's inputs."""

@@ -75,7 +75,8 @@ def local_needs(
             bridge,
             [(c.name, c.module, c.buffer) for c in candidates],
             meta.architectures,
-            tied=bool(getattr(chunks[0], "share_embeddings_and_output_weights", False)),
+            tied=bool(_tied(chunks[0])),
+            stored=lambda name: meta.tensors[name].dtype if name in meta.tensors else None,
         )
     table = table or mapping_table(meta)
     loaded = [
@@ -91,7 +92,9 @@ def local_needs(
     return params, tensors, shard, needs
 
 
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_LAYER = re.compile(r"^((?:[\w]+\.)*?)decoder\.layers\.(\d+)\.")
+"""A layer of a decoder: the language model's (``decoder.``, or ``language_model.decoder.`` in a
+multimodal model) or a tower's (``vision_model.decoder.``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,9 +120,13 @@ def _candidates(chunks: list[Any]) -> Iterator[_Candidate]:
     """This rank's parameters and persistent buffers, with canonical names (global layer and
     expert numbers) and the modules that hold them."""
     for index, chunk in enumerate(chunks):
-        decoder = getattr(chunk, "decoder", None)
-        layers = getattr(decoder, "layers", [])
-        global_layer = {str(i): str(layer.layer_number - 1) for i, layer in enumerate(layers)}
+        global_layer = {  # per decoder (by prefix), its layers' global numbers
+            prefix.removesuffix("decoder"): {
+                str(i): str(layer.layer_number - 1) for i, layer in enumerate(module.layers)
+            }
+            for prefix, module in chunk.named_modules()
+            if prefix.split(".")[-1] == "decoder" and hasattr(module, "layers")
+        }
         first_expert = first_local_expert(_megatron_config(chunk))
         seen: set[int] = set()  # a tensor two modules share is one parameter
         for prefix, module in chunk.named_modules():
@@ -140,19 +147,29 @@ def _candidates(chunks: list[Any]) -> Iterator[_Candidate]:
                 yield _Candidate(info, tensor, module, buffer)
 
 
-def _canonical(name: str, global_layer: dict[str, str]) -> str:
+def _canonical(name: str, global_layer: dict[str, dict[str, str]]) -> str:
     found = _LAYER.match(name)
-    return (
-        name if found is None else f"decoder.layers.{global_layer[found[1]]}.{name[found.end() :]}"
-    )
+    if found is None or found[1] not in global_layer:
+        return name
+    prefix, layer = found[1], global_layer[found[1]][found[2]]
+    return f"{prefix}decoder.layers.{layer}.{name[found.end() :]}"
+
+
+def _tied(chunk: Any) -> Any:
+    """Whether the chunk's language model ties its output layer to the embedding (a
+    multimodal model holds it as ``language_model``)."""
+    tied = getattr(chunk, "share_embeddings_and_output_weights", None)
+    if tied is None:
+        tied = getattr(
+            getattr(chunk, "language_model", None), "share_embeddings_and_output_weights", None
+        )
+    return tied
 
 
 def _megatron_config(chunk: Any) -> dict[str, Any]:
     config = chunk.config
     values = {f.name: getattr(config, f.name, None) for f in dataclasses.fields(config)}
-    values["share_embeddings_and_output_weights"] = getattr(
-        chunk, "share_embeddings_and_output_weights", None
-    )
+    values["share_embeddings_and_output_weights"] = _tied(chunk)
     return values
 
 

@@ -19,248 +19,70 @@ Rows are along dim 0, the dim Megatron's column-parallel layers split.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Protocol
+from megastart.loader import interleave
+from megastart.loader.fused import (
+    EvenOddGateUp,
+    FusedExpert,
+    FusedGatedExpert,
+    OrientedRowParallel,
+)
+from megastart.loader.slices import (
+    ColumnParallel,
+    ColumnShards,
+    ExpertTensorParallel,
+    GateUp,
+    Qkv,
+    Replicated,
+    RowParallel,
+    Squeezed,
+    SwappedHalves,
+    Vocab,
+)
+from megastart.loader.transform_base import Named, Piece, Rows, Shape, Shard, Transform
 
-if TYPE_CHECKING:
-    import torch
-
-Shape = tuple[int, ...]
-Piece = tuple[int, int, "torch.Tensor"]
-Named = tuple[str, Shape]
-"""An HF tensor's name and shape."""
-
-
-@dataclass(frozen=True, slots=True)
-class Shard:
-    """Where this rank's parameter sits in the tensor-parallel split, and the attention dims."""
-
-    tp_rank: int
-    tp_size: int
-    num_heads: int
-    num_query_groups: int
-    head_dim: int
-    expert_tp_rank: int | None = None
-    """Rank in Megatron's expert-tensor-parallel group (None: experts split like ``tp_rank``)."""
-    expert_tp_size: int | None = None
-    """Size of that group, which may differ from ``tp_size`` (``expert_tensor_parallel_size``)."""
+__all__ = ["TRANSFORMS", "Named", "Piece", "Rows", "Shape", "Shard", "Transform"]
 
 
-@dataclass(frozen=True, slots=True)
-class Rows:
-    """The dim-0 range ``[start, stop)`` of an HF tensor of ``total`` rows that a block holds."""
+class _Transforms(dict[str, Transform]):
+    """The transforms by name; a parameterised name makes its transform on first use:
+    ``fused_expert:{e}:{inner}``, ``fused_gated_expert:{e}``, ``zero_centred:{dtype}:{inner}``,
+    ``swapped_halves:{inner}``
+    and ``interleave:...`` (:mod:`megastart.loader.interleave`)."""
 
-    start: int
-    stop: int
-    total: int
-
-
-class Transform(Protocol):
-    def check(self, hf: Sequence[Named], local: Shape, shard: Shard) -> list[str]: ...
-
-    def blocks(
-        self, index: int, source: torch.Tensor, rows: Rows, local: Shape, shard: Shard
-    ) -> Iterator[Piece]: ...
-
-    def pieces(
-        self, inputs: Sequence[torch.Tensor], local: Shape, shard: Shard
-    ) -> Iterator[Piece]: ...
-
-
-def _expect(hf: Sequence[Named], wanted: Sequence[Shape]) -> list[str]:
-    return [
-        f"HF tensor {name!r} has shape {list(got)}, expected {list(want)}"
-        for (name, got), want in zip(hf, wanted, strict=True)
-        if tuple(got) != tuple(want)
-    ]
+    def __missing__(self, name: str) -> Transform:
+        kind, _, args = name.partition(":")
+        expert, _, inner = args.partition(":")
+        if kind == "interleave":
+            made: Transform = interleave.parse(args)
+        elif kind == "swapped_halves" and args in self:
+            made = SwappedHalves(self[args])
+        elif kind == "zero_centred" and inner in self:
+            made = interleave.ZeroCentred(self[inner], expert)
+        elif kind == "fused_expert" and inner in self:
+            made = FusedExpert(int(expert), self[inner])
+        elif kind == "fused_gated_expert" and expert.isdigit() and not inner:
+            made = FusedGatedExpert(int(expert))
+        else:
+            raise KeyError(name)
+        self[name] = made
+        return made
 
 
-def _place(
-    source: torch.Tensor, rows: Rows, lo: int, hi: int, dest: int, cols: slice | None = None
-) -> Iterator[Piece]:
-    """The rows ``[lo, hi)`` of the HF tensor that ``source`` holds, written from parameter row ``dest``."""
-    first, stop = max(lo, rows.start), min(hi, rows.stop)
-    if first >= stop:
-        return
-    if first == rows.start and stop == rows.stop:  # the whole block: index only the columns
-        block = source if cols is None else source[:, cols]
-    else:
-        below = slice(first - rows.start, stop - rows.start)
-        block = source[below] if cols is None else source[below, cols]
-    yield dest + first - lo, dest + stop - lo, block
-
-
-class _RowBlocks:
-    """``pieces`` of whole tensors, in terms of ``blocks`` of row ranges (one HF tensor each)."""
-
-    def blocks(
-        self, index: int, source: torch.Tensor, rows: Rows, local: Shape, shard: Shard
-    ) -> Iterator[Piece]:
-        raise NotImplementedError
-
-    def pieces(self, inputs: Sequence[torch.Tensor], local: Shape, shard: Shard) -> Iterator[Piece]:
-        for index, source in enumerate(inputs):
-            whole = Rows(0, source.shape[0], source.shape[0])
-            yield from self.blocks(index, source, whole, local, shard)
-
-
-class Replicated(_RowBlocks):
-    """Every rank holds the whole tensor (norms)."""
-
-    def check(self, hf: Sequence[Named], local: Shape, shard: Shard) -> list[str]:
-        return _expect(hf, [local])
-
-    def blocks(
-        self, index: int, source: torch.Tensor, rows: Rows, local: Shape, shard: Shard
-    ) -> Iterator[Piece]:
-        return _place(source, rows, 0, rows.total, 0)
-
-
-class RowParallel(_RowBlocks):
-    """Megatron's row-parallel layers (``linear_proj``, ``linear_fc2``) split the input dim (1)."""
-
-    def check(self, hf: Sequence[Named], local: Shape, shard: Shard) -> list[str]:
-        return _expect(hf, [(local[0], local[1] * shard.tp_size, *local[2:])])
-
-    def blocks(
-        self, index: int, source: torch.Tensor, rows: Rows, local: Shape, shard: Shard
-    ) -> Iterator[Piece]:
-        n = local[1]
-        cols = slice(shard.tp_rank * n, (shard.tp_rank + 1) * n)
-        return _place(source, rows, 0, rows.total, 0, cols)
-
-
-class ColumnParallel(_RowBlocks):
-    """Megatron's column-parallel layers split the output dim (0) into TP row blocks; a layer
-    held whole on every rank (Transformer Engine's duplicated MLA down projections) takes it all."""
-
-    def check(self, hf: Sequence[Named], local: Shape, shard: Shard) -> list[str]:
-        ((_, got),) = hf
-        if tuple(got) == tuple(local):
-            return []
-        return _expect(hf, [(local[0] * shard.tp_size, *local[1:])])
-
-    def blocks(
-        self, index: int, source: torch.Tensor, rows: Rows, local: Shape, shard: Shard
-    ) -> Iterator[Piece]:
-        n = local[0]
-        first = 0 if n == rows.total else shard.tp_rank * n
-        return _place(source, rows, first, first + n, 0)
-
-
-class Vocab(_RowBlocks):
-    """Embedding / output rows: the padded vocabulary split along dim 0; padded rows are zero.
-
-    The zero rows are written with the block that holds the HF tensor's last row.
-    """
-
-    def check(self, hf: Sequence[Named], local: Shape, shard: Shard) -> list[str]:
-        ((name, got),) = hf
-        padded = local[0] * shard.tp_size
-        if tuple(got[1:]) != tuple(local[1:]) or got[0] > padded:
-            return [
-                f"HF tensor {name!r} has shape {list(got)}, expected [V, {', '.join(map(str, local[1:]))}] "
-                f"with V <= {padded} (Megatron's padded vocabulary)"
-            ]
-        return []
-
-    def blocks(
-        self, index: int, source: torch.Tensor, rows: Rows, local: Shape, shard: Shard
-    ) -> Iterator[Piece]:
-        import torch
-
-        n = local[0]
-        start = shard.tp_rank * n
-        have = max(0, min(n, rows.total - start))
-        yield from _place(source, rows, start, start + have, 0)
-        if have < n and rows.stop == rows.total:
-            zeros = torch.zeros((n - have, *local[1:]), dtype=source.dtype, device=source.device)
-            yield have, n, zeros
-
-
-class GateUp(_RowBlocks):
-    """SwiGLU ``linear_fc1`` = [gate shard; up shard] on each TP rank."""
-
-    def check(self, hf: Sequence[Named], local: Shape, shard: Shard) -> list[str]:
-        if local[0] % 2:
-            return [f"the fused gate/up parameter has an odd number of rows {local[0]}"]
-        full = (local[0] // 2 * shard.tp_size, *local[1:])
-        return _expect(hf, [full, full])
-
-    def blocks(
-        self, index: int, source: torch.Tensor, rows: Rows, local: Shape, shard: Shard
-    ) -> Iterator[Piece]:
-        n = local[0] // 2
-        return _place(source, rows, shard.tp_rank * n, (shard.tp_rank + 1) * n, index * n)
-
-
-class Qkv(_RowBlocks):
-    """Fused QKV (weight or bias): per query group ``[its q heads; k; v]``; TP splits by group."""
-
-    def check(self, hf: Sequence[Named], local: Shape, shard: Shard) -> list[str]:
-        heads, groups, d, tp = (
-            shard.num_heads,
-            shard.num_query_groups,
-            shard.head_dim,
-            shard.tp_size,
-        )
-        if heads % groups or groups % tp:
-            return [
-                f"tensor-parallel size {tp} must divide the {groups} query groups (KV heads), "
-                f"which must divide the {heads} attention heads; choose a TP size that divides {groups}"
-            ]
-        rest = tuple(local[1:])
-        if local[0] != (heads + 2 * groups) * d // tp:
-            return [
-                f"the fused QKV parameter needs (heads + 2 * query groups) * head_dim / TP = "
-                f"({heads} + 2 * {groups}) * {d} / {tp} rows, it has {local[0]}"
-            ]
-        return _expect(hf, [(heads * d, *rest), (groups * d, *rest), (groups * d, *rest)])
-
-    def blocks(
-        self, index: int, source: torch.Tensor, rows: Rows, local: Shape, shard: Shard
-    ) -> Iterator[Piece]:
-        d = shard.head_dim
-        q_rows = shard.num_heads // shard.num_query_groups * d
-        size, within = ((q_rows, 0), (d, q_rows), (d, q_rows + d))[index]  # q, k, v
-        local_groups = shard.num_query_groups // shard.tp_size
-        for j in range(local_groups):
-            g = shard.tp_rank * local_groups + j
-            yield from _place(source, rows, g * size, (g + 1) * size, j * (q_rows + 2 * d) + within)
-
-
-class ExpertTensorParallel(_RowBlocks):
-    """A routed expert's weight: ``inner``, split over the expert-tensor-parallel group, not TP."""
-
-    def __init__(self, inner: Transform) -> None:
-        self.inner = inner
-
-    def check(self, hf: Sequence[Named], local: Shape, shard: Shard) -> list[str]:
-        expert = _expert_shard(shard)
-        where = f"expert-tensor-parallel rank {expert.tp_rank} of {expert.tp_size}"
-        return [f"{problem} ({where})" for problem in self.inner.check(hf, local, expert)]
-
-    def blocks(
-        self, index: int, source: torch.Tensor, rows: Rows, local: Shape, shard: Shard
-    ) -> Iterator[Piece]:
-        return self.inner.blocks(index, source, rows, local, _expert_shard(shard))
-
-
-def _expert_shard(shard: Shard) -> Shard:
-    if shard.expert_tp_size is None or shard.expert_tp_rank is None:
-        return shard
-    return replace(shard, tp_rank=shard.expert_tp_rank, tp_size=shard.expert_tp_size)
-
-
-TRANSFORMS: dict[str, Transform] = {
-    "replicated": Replicated(),
-    "row_parallel": RowParallel(),
-    "column_parallel": ColumnParallel(),
-    "vocab": Vocab(),
-    "gate_up": GateUp(),
-    "qkv": Qkv(),
-    "expert_gate_up": ExpertTensorParallel(GateUp()),
-    "expert_row_parallel": ExpertTensorParallel(RowParallel()),
-}
-"""Transform name (as used in mapping rules) -> transform."""
+TRANSFORMS: dict[str, Transform] = _Transforms(
+    {
+        "replicated": Replicated(),
+        "row_parallel": RowParallel(),
+        "column_parallel": ColumnParallel(),
+        "vocab": Vocab(),
+        "gate_up": GateUp(),
+        "qkv": Qkv(),
+        "column_shards": ColumnShards(),
+        "squeezed": Squeezed(),
+        "even_odd_gate_up": EvenOddGateUp(),
+        "expert_oriented_row_parallel": ExpertTensorParallel(OrientedRowParallel()),
+        "expert_gate_up": ExpertTensorParallel(GateUp()),
+        "expert_row_parallel": ExpertTensorParallel(RowParallel()),
+    }
+)
+"""Transform name (as used in mapping rules) -> transform; see :class:`_Transforms` for the
+parameterised names of fused experts."""

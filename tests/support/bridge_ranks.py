@@ -6,6 +6,7 @@ parameter set to NaN before each load so that nothing left untouched passes."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from importlib import import_module
 from importlib.util import find_spec
 from typing import Any
@@ -92,17 +93,25 @@ def poison(chunks: list[Any]) -> None:
 
 
 def bridge_and_megastart(
-    checkpoint: str, layout: dict[str, int], dtype: str = "float32"
+    checkpoint: str,
+    layout: dict[str, int],
+    dtype: str = "float32",
+    custom: Callable[[Any], Any] | None = None,
 ) -> tuple[dict, dict, Any]:
     """This rank's state after Megatron-Bridge's load and after megastart's, and megastart's
-    report (``None``: left to the bridge)."""
+    report (``None``: left to the bridge). ``custom(auto)``: the model bridge both loads go
+    through instead of the ``AutoBridge``'s."""
     from megastart.loader.api import load_for_engine
     from megastart.records import EngineContext
 
     with megatron(layout):
         bridge, chunks = build(checkpoint, layout, dtype)
         poison(chunks)
-        bridge.load_hf_weights(chunks, checkpoint)
+        if custom is None:
+            bridge.load_hf_weights(chunks, checkpoint)
+        else:
+            auto, bridge = bridge, custom(bridge)
+            bridge.load_weights_hf_to_megatron(auto.hf_pretrained, chunks)
         theirs = state(chunks)
         poison(chunks)
         from megatron.core import parallel_state
@@ -210,3 +219,37 @@ def bridge_with_a_hook_of_its_own(auto: Any) -> Any:
 
 def the_auto_bridges_model_bridge(auto: Any) -> Any:
     return auto._model_bridge
+
+
+def bridge_with_packed_experts(auto: Any) -> Any:
+    """The checkpoint's model bridge with the routed-expert mappings Megatron-Bridge 0.6 gives
+    Qwen3.5-MoE and Qwen3-VL-MoE for packed checkpoints (``_moe_routed_expert_mappings`` with
+    ``experts_packed``): fused tensors into both expert layouts, grouped and sequential."""
+    from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
+    from megatron.bridge.models.conversion.param_mapping import (
+        FusedExpertMapping,
+        FusedGatedExpertMapping,
+    )
+
+    base = auto._model_bridge
+    experts = "decoder.layers.*.mlp.experts"
+    gate_up, down = (
+        "model.layers.*.mlp.experts.gate_up_proj",
+        "model.layers.*.mlp.experts.down_proj",
+    )
+
+    class Bridge(type(base)):  # type: ignore[misc]
+        def mapping_registry(self) -> Any:
+            mappings = super().mapping_registry().get_all_mappings()
+            kept = [m for m in mappings if not m.megatron_param.startswith(experts + ".")]
+            return MegatronMappingRegistry(
+                *kept,
+                FusedGatedExpertMapping(f"{experts}.linear_fc1.weight*", gate_up),
+                FusedExpertMapping(f"{experts}.linear_fc2.weight*", down),
+                FusedGatedExpertMapping(f"{experts}.local_experts.*.linear_fc1.weight", gate_up),
+                FusedExpertMapping(f"{experts}.local_experts.*.linear_fc2.weight", down),
+            )
+
+    bridge = Bridge()
+    bridge.hf_config = base.hf_config
+    return bridge

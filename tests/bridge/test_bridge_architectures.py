@@ -1,0 +1,64 @@
+"""Architectures the harness does not build load as Megatron-Bridge loads them, bit for bit,
+on every rank, from models built by the bridge's own provider on CPU: a vision-language model
+(the language model's decoder and the vision tower, its parameters outside any GPT decoder,
+mostly ``ReplicatedMapping`` over ``visual.**``: the tower is each rank's whole, the decoder
+its TP slice) and Ernie-4.5-MoE (mapping classes of its bridge's own)."""
+
+from __future__ import annotations
+
+import importlib.util
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+import torch
+
+if importlib.util.find_spec("megatron.bridge") is None:
+    pytest.skip("Megatron-Bridge is not installed here", allow_module_level=True)
+
+from support.bridge_ranks import bridge_and_megastart
+from support.tiny_models import make_tiny
+
+from megastart.harness.launch import RankPool
+
+
+@pytest.mark.parametrize(
+    ("model_type", "layout"), [("qwen2_5_vl", {"tp": 2})], ids=["qwen2_5_vl-tp2"]
+)
+def test_a_vision_language_model_loads_as_megatron_bridge_loads_it(
+    rank_pools: dict[int, RankPool],
+    tmp_path_factory: pytest.TempPathFactory,
+    model_type: str,
+    layout: dict[str, int],
+) -> None:
+    if version("megatron-bridge") < "0.6":
+        pytest.skip(
+            "Megatron-Bridge 0.5's Qwen2.5-VL model imports Transformer Engine's float8_tensor, "
+            "which the CPU stub lacks"
+        )
+    directory = make_tiny(model_type, Path(tmp_path_factory.mktemp(model_type)))
+    for rank, (theirs, ours, report) in enumerate(
+        rank_pools[2].run(bridge_and_megastart, str(directory), layout)
+    ):
+        assert report is not None, f"rank {rank}: megastart left the load to the bridge"
+        tower = [n for n in theirs if ".visual." in n or n.startswith("0:visual.")]
+        loaded = [n for n in tower if not theirs[n].isnan().any()]
+        assert len(loaded) > 10, f"rank {rank}: the bridge loaded no tower: {tower[:5]}"
+        for name in theirs:
+            same = torch.equal(theirs[name].nan_to_num(7.0), ours[name].nan_to_num(7.0))
+            assert same, f"rank {rank}: {name} differs from the bridge's load"
+
+
+def test_ernie_4_5_moe_loads_as_megatron_bridge_loads_it(
+    rank_pools: dict[int, RankPool], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    directory = make_tiny("ernie4_5_moe", Path(tmp_path_factory.mktemp("ernie")))
+    for rank, (theirs, ours, report) in enumerate(
+        rank_pools[2].run(bridge_and_megastart, str(directory), {"ep": 2})
+    ):
+        assert report is not None, f"rank {rank}: megastart left the load to the bridge"
+        bias = [n for n in theirs if n.endswith("router.expert_bias")]
+        assert bias and not any(theirs[n].isnan().any() for n in bias), bias
+        for name in theirs:
+            same = torch.equal(theirs[name].nan_to_num(7.0), ours[name].nan_to_num(7.0))
+            assert same, f"rank {rank}: {name} differs from the bridge's load"
