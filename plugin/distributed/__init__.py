@@ -18,19 +18,12 @@ its leader look at a page of node-shared memory instead (:class:`Node`), so
 waiting costs the store about a request a second per node. :class:`Sticky` makes a call that failed in a
 process fail at once when it is made again.
 
-The modules: :mod:`.errors`, :mod:`.board`, :mod:`.groups`, :mod:`.agreement`,
+The modules: :mod:`.errors`, :mod:`.polling`, :mod:`.page`, :mod:`.board`, :mod:`.groups`, :mod:`.agreement`,
 :mod:`.sticky`, :mod:`.control`.
 """
 
 from megastart.distributed.agreement import Outcome, agree, all_or_none, broadcast_or_raise
-from megastart.distributed.board import (
-    PEER_GRACE_S,
-    POLL_S,
-    PROGRESS_LOOK_S,
-    Board,
-    Node,
-    polled_locally,
-)
+from megastart.distributed.board import PEER_GRACE_S, PROGRESS_LOOK_S, Board
 from megastart.distributed.control import (
     FANOUT,
     Control,
@@ -48,6 +41,8 @@ from megastart.distributed.errors import (
     Stalled,
 )
 from megastart.distributed.groups import LocalGroup, OwnGroups, destroy_group, new_group
+from megastart.distributed.page import Node
+from megastart.distributed.polling import POLL_S, polled_locally
 from megastart.distributed.sticky import Sticky
 
 __all__ = [

@@ -7,20 +7,14 @@ import datetime
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from megastart.distributed.errors import PeerFailed, Stalled, describe
+from megastart.distributed.polling import POLL_S, next_slice, polled_locally
 from megastart.errors import CollectiveError
 
-POLL_S = 0.1
-"""How long a wait blocks before it looks at the :class:`Board` again, for its first
-:data:`SETTLE_S` seconds (most waits end within them)."""
-
-SETTLE_S = 3.0
-LONG_POLL_S = 1.0
-"""After :data:`SETTLE_S` seconds a wait looks at the board once every this many seconds: a
-leader that waits long (a far bucket) costs the store a request a second, not ten, and a
-failure still reaches it within a second."""
+if TYPE_CHECKING:
+    from megastart.distributed.page import Node
 
 LOOKS_PER_S = 1000.0
 """The store requests a second the ranks waiting at a board may make together to look for
@@ -41,50 +35,6 @@ _GO, _FAILED = "go", "failed:"
 
 _calls: dict[str, int] = {}
 """How many :class:`Board` s this process made per call name."""
-
-
-class Node(Protocol):
-    """What the ranks of one node share about a call without the store: a page of node-shared
-    memory (``megastart.loader.node.NodeBoard``), the leader its only writer but for the
-    failure flag and each rank's own arrivals. See :meth:`Board.attach`."""
-
-    @property
-    def leads(self) -> bool:
-        """Whether this rank is the node's leader, the one that talks to the store."""
-        ...
-
-    @property
-    def size(self) -> int:
-        """The node's ranks, its leader included."""
-        ...
-
-    def failed(self) -> bool:
-        """Whether a failure was announced (its text is on the store)."""
-        ...
-
-    def fail(self) -> None: ...
-
-    def progress(self) -> int:
-        """How often the leader saw the call progress (a count that only grows)."""
-        ...
-
-    def advanced(self) -> None:
-        """The leader saw the call progress: it read, received, or saw a reader's progress."""
-        ...
-
-    def arrive(self) -> None:
-        """Count this rank in at the node's next barrier."""
-        ...
-
-    def arrived(self, count: int) -> bool:
-        """Whether every rank of the node arrived at ``count`` barriers."""
-        ...
-
-    def gate(self) -> int:
-        """How many barriers the leader opened to the node."""
-        ...
-
-    def open(self, count: int) -> None: ...
 
 
 class Board:
@@ -255,7 +205,7 @@ class Board:
         # progress first after PROGRESS_LOOK_S.
         progress: int | None = None
         looked = looked_for_failures = started
-        while not ready(_slice(started, deadline)):
+        while not ready(next_slice(started, deadline)):
             now = time.monotonic()
             if self._on_page or now - looked_for_failures >= self.look_s:
                 looked_for_failures = now
@@ -394,32 +344,3 @@ class Board:
 def _gate(number: int) -> str:
     """The key that opens a call's barrier ``number`` (from 0), or says why it never will."""
     return f"gate/{number}"
-
-
-def _slice(started: float, deadline: float) -> float:
-    """How long the next slice of a wait that started at ``started`` may block: :data:`POLL_S`
-    at first, :data:`LONG_POLL_S` after :data:`SETTLE_S`, never past the ``deadline``."""
-    now = time.monotonic()
-    length = POLL_S if now - started < SETTLE_S else LONG_POLL_S
-    return max(0.001, min(length, deadline - now))  # 0 would mean "no timeout" to gloo
-
-
-def polled_locally(condition: Callable[[], bool]) -> Callable[[float], bool]:
-    """A ``ready`` for :meth:`Board.wait` that polls a ``condition`` costing no request (a word
-    of node-shared memory, a name in ``/dev/shm``): every 50 microseconds at first (the peer
-    usually answers at once), then less often, up to every quarter :data:`POLL_S`. The pause
-    carries over from one slice to the next."""
-    pause = 5e-5
-
-    def ready(slice_s: float) -> bool:
-        nonlocal pause
-        deadline = time.monotonic() + slice_s
-        while not condition():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            time.sleep(min(pause, left))
-            pause = min(2 * pause, POLL_S / 4)
-        return True
-
-    return ready
