@@ -32,9 +32,6 @@ if TYPE_CHECKING:
 FANOUT = 32
 """The most node leaders in one group of the tree (a node's group holds all its ranks)."""
 
-_trees = 0
-"""How many trees this process made (the same on every rank while they make them together)."""
-
 
 def node_key() -> tuple[str, int]:
     """This rank's node: host name and the global rank of the node's local rank 0.
@@ -74,8 +71,8 @@ class Control:
     phases need on them: every rank's report on every rank (:meth:`gather`) and rank 0's
     value on every rank (:meth:`broadcast`). Each group's first rank leads it.
 
-    :param top: the tree's top group, if this rank is in it: its ranks hold every report
-        once they have exchanged theirs.
+    :param top: the tree's top group, where known (to its ranks and every node leader): its
+        ranks hold every report once they have exchanged theirs.
     """
 
     def __init__(
@@ -103,17 +100,24 @@ class Control:
         for group in self.groups:
             for part in _allgather(group, pickle.dumps(held), timeout_s):
                 held.update(pickle.loads(part))
-        for group in reversed(self.groups):
-            if group.ranks != self.top:
-                held = pickle.loads(_broadcast(group, pickle.dumps(held), timeout_s))
+        if self.groups and self.top not in self.group_ranks:  # it all comes down from the top
+            held = pickle.loads(self._down(b"", timeout_s))
+        elif len(self.groups) > 1:  # the top's ranks lead groups below it
+            self._down(pickle.dumps(held), timeout_s)
         return [held[rank] for rank in range(self.world)]
 
     def broadcast(self, value: Any, *, timeout_s: float) -> Any:
         """Rank 0's ``value`` (picklable) on every rank; rank 0 leads every group it is in."""
-        payload = pickle.dumps(value)
+        return pickle.loads(self._down(pickle.dumps(value), timeout_s, top=True))
+
+    def _down(self, payload: bytes, timeout_s: float, *, top: bool = False) -> bytes:
+        """``payload`` passed down this rank's groups, top first (the tree's top group too if
+        ``top``), each from its leader: what came from above, as bytes (a leader's own
+        ``payload`` where nothing is above it)."""
         for group in reversed(self.groups):
-            payload = _broadcast(group, payload, timeout_s)
-        return pickle.loads(payload)
+            if top or group.ranks != self.top:
+                payload = _broadcast(group, payload, timeout_s)
+        return payload
 
 
 def make_control(timeout_s: float, *, fanout: int = FANOUT) -> Control:
@@ -128,14 +132,11 @@ def make_control(timeout_s: float, *, fanout: int = FANOUT) -> Control:
         ``timeout_s``, naming it.
     """
     import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _get_default_store
 
     from megastart.distributed.board import Board
 
-    global _trees
-    _trees += 1
     board = Board("control")
-    store = dist.PrefixStore(f"megastart/control-tree/{_trees}/", _get_default_store())
+    store = board.store  # this tree's keys: the board numbers its calls
     rank = dist.get_rank()
     node = f"node/{hashlib.sha1(repr(node_key()).encode()).hexdigest()[:16]}"
     _add(store, node, rank)
