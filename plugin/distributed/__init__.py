@@ -19,21 +19,12 @@ waiting costs the store about a request a second per node. :class:`Sticky` makes
 process fail at once when it is made again.
 
 The modules: :mod:`.errors`, :mod:`.polling`, :mod:`.page`, :mod:`.board`, :mod:`.groups`, :mod:`.agreement`,
-:mod:`.sticky`, :mod:`.control`.
+:mod:`.sticky`, :mod:`.control`, :mod:`.kept`.
 """
 
 from megastart.distributed.agreement import Outcome, agree, all_or_none, broadcast_or_raise
 from megastart.distributed.board import PEER_GRACE_S, PROGRESS_LOOK_S, Board
-from megastart.distributed.control import (
-    FANOUT,
-    Control,
-    discard_control,
-    discarding_control,
-    kept_control,
-    make_control,
-    node_key,
-    tree_levels,
-)
+from megastart.distributed.control import FANOUT, Control, make_control, node_key, tree_levels
 from megastart.distributed.errors import (
     CollectiveError,
     FailedBefore,
@@ -41,6 +32,7 @@ from megastart.distributed.errors import (
     Stalled,
 )
 from megastart.distributed.groups import LocalGroup, OwnGroups, destroy_group, new_group
+from megastart.distributed.kept import discard_control, discarding_control, kept_control
 from megastart.distributed.page import Node
 from megastart.distributed.polling import POLL_S, polled_locally
 from megastart.distributed.sticky import Sticky
