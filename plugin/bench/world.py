@@ -209,12 +209,15 @@ class CountingStore:
     def __init__(self, store: Any) -> None:
         self._store = store
         self.times: list[float] = []
+        self.names: list[str] = []
+        """Each request's method (``"check"``, ``"wait"``, ...), in the order of :attr:`times`."""
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self._store, name)
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             self.times.append(time.monotonic())
+            self.names.append(name)
             return method(*args, **kwargs)
 
         return counted

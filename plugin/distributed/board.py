@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from megastart.distributed.errors import PeerFailed, Stalled, describe
+from megastart.distributed.errors import LeaderGone, PeerFailed, Stalled, describe
 from megastart.distributed.polling import POLL_S, next_slice, polled_locally
 from megastart.errors import CollectiveError
 
@@ -74,6 +74,7 @@ class Board:
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.timeout_s = float("inf")
+        """What bounds the call's waits: set by :meth:`check_in` (a wait before it raises)."""
         self._advanced = -float("inf")
         self._store = dist.PrefixStore(f"megastart/{what}/{number}/", _get_default_store())
         self._node: Node | None = None
@@ -133,15 +134,27 @@ class Board:
     def failure(self) -> str | None:
         """``"rank R: error"`` of the first failure announced, or ``None``.
 
-        A node's other ranks look at its page first, and at the store only for the text.
+        A node's other ranks look at its page first, and at the store only for the text, or
+        once their leader is gone (it no longer copies the store's failures to the page).
         """
         node = self._node
         if node is None or not node.failed():
-            if self._on_page or not self._store.check(["failed"]):
+            if self._on_page:
+                if not node.leader_gone():  # type: ignore[union-attr]
+                    return None
+                self._lost_leader(node.leader)  # type: ignore[union-attr]
+            elif not self._store.check(["failed"]):
                 return None
             if node is not None:
                 node.fail()
         return bytes(self._store.get("failed")).decode()
+
+    def _lost_leader(self, leader: int) -> None:
+        """This node's leader (global rank ``leader``) is gone: announce it, unless a failure
+        was announced already (the leader's own, or what it died of)."""
+        if not self._store.check(["failed"]):
+            gone = f"its node's leader, rank {leader}, is gone (killed, or died without a word)"
+            self.announce(LeaderGone(gone))
 
     @contextmanager
     def announcing(self) -> Iterator[None]:
@@ -169,16 +182,24 @@ class Board:
         try:  # one blocking wait: a store wait that times out logs a c10d warning
             self._store.wait(["start"], datetime.timedelta(seconds=timeout_s))
         except Exception:  # the timeout; a store that is gone fails again below
-            missing = [r for r in range(self.world) if not self._store.check([f"arrived/{r}"])]
-            self._store.compare_set(
-                "start",
-                "",
-                f"{self.what}: rank(s) {missing} did not start it within timeout_s={timeout_s:g} "
-                "s (died, hung, or never called it); no process group was made",
-            )
+            self._name_the_missing(timeout_s)
         start = self._released("start")
         if start != _GO:
             raise CollectiveError(start)
+
+    def _name_the_missing(self, timeout_s: float) -> None:
+        """After a check-in timed out: the first rank here asks the store about every rank
+        (``world`` requests, once), the others wait for what it finds (a request each)."""
+        said = f"{self.what}: rank(s) {{}} did not start it within timeout_s={timeout_s:g} s "
+        said += "(died, hung, or never called it); no process group was made"
+        if self._store.add("late", 1) == 1:
+            missing = [r for r in range(self.world) if not self._store.check([f"arrived/{r}"])]
+            self._store.compare_set("start", "", said.format(missing))
+            return
+        try:
+            self._store.wait(["start"], datetime.timedelta(seconds=PEER_GRACE_S))
+        except Exception:  # the rank naming them stopped too: said without the names
+            self._store.compare_set("start", "", said.format("not named"))
 
     def wait(
         self,
@@ -197,7 +218,7 @@ class Board:
         :raises Stalled: after ``timeout_s``, naming ``what`` (or what it returns
             then); announced first, so the others stop at once.
         """
-        limit = self.timeout_s + (grace * PEER_GRACE_S if peer else 0.0)
+        limit = self._bound() + (grace * PEER_GRACE_S if peer else 0.0)
         started = time.monotonic()
         deadline = started + limit
         # Most waits end in their first slice, and a look at the store is a request: the
@@ -308,7 +329,7 @@ class Board:
         happens only while a load runs longer than ``timeout_s``, or on the way
         to :class:`Stalled`.
         """
-        limit = self.timeout_s + PEER_GRACE_S
+        limit = self._bound() + PEER_GRACE_S
         progress = self._progress()
         while True:
             try:
@@ -317,6 +338,14 @@ class Board:
             except Exception:  # the timeout; a store that is gone fails again below
                 if progress == (progress := self._progress()):
                     raise self._stalled(limit, what) from None
+
+    def _bound(self) -> float:
+        """``timeout_s``; an error where nothing set it: a wait with no deadline could hang."""
+        if self.timeout_s == float("inf"):
+            raise RuntimeError(
+                f"Board({self.what!r}): a wait before check_in(timeout_s), which bounds them"
+            )
+        return self.timeout_s
 
     def _stalled(self, limit: float, what: str) -> Stalled:
         """The error of a wait of ``limit`` seconds for ``what`` that ran out, announced."""

@@ -17,8 +17,17 @@ class Node(Protocol):
         ...
 
     @property
+    def leader(self) -> int:
+        """The global rank of the node's leader."""
+        ...
+
+    @property
     def size(self) -> int:
         """The node's ranks, its leader included."""
+        ...
+
+    def leader_gone(self) -> bool:
+        """Whether the node's leader process ended (on a rank other than the leader)."""
         ...
 
     def failed(self) -> bool:
