@@ -122,14 +122,21 @@ class Board:
         Ranks still checking in hear it too: they stop waiting for this one; and ranks
         waiting at a :meth:`barrier` this one has not passed are released with it.
         """
-        if not isinstance(error, PeerFailed):
-            failure = f"rank {self.rank}: {describe(error)}"
-            self._store.compare_set("failed", "", failure)
-            released = f"{_FAILED}{self.what} failed on {failure}"
-            self._store.compare_set("start", "", released)
-            self._store.compare_set(_gate(self._barriers), "", released)
         if self._node is not None:
             self._node.fail()
+        if isinstance(error, PeerFailed):
+            return
+        failure = f"rank {self.rank}: {describe(error)}"
+        released = f"{_FAILED}{self.what} failed on {failure}"
+        try:
+            self._store.compare_set("failed", "", failure)
+            self._store.compare_set("start", "", released)
+            self._store.compare_set(_gate(self._barriers), "", released)
+        except Exception as e:  # the error stays this rank's own; the others hear of it late
+            error.add_note(
+                f"megastart could not announce it to the other ranks: the store failed "
+                f"({type(e).__name__}: {e}; its server, on rank 0's process, may be gone)"
+            )
 
     def failure(self) -> str | None:
         """``"rank R: error"`` of the first failure announced, or ``None``.
@@ -230,6 +237,8 @@ class Board:
             now = time.monotonic()
             if self._on_page or now - looked_for_failures >= self.look_s:
                 looked_for_failures = now
+                if self._left_after(ready):
+                    break
                 failure = self.failure()
                 if failure is not None:
                     raise PeerFailed(f"{self.what} failed on {failure}")
@@ -242,6 +251,13 @@ class Board:
                 raise self._stalled(limit, what if isinstance(what, str) else what())
         if peer and self._node is not None and self._node.leads:
             self._node.advanced()  # what it waited for came: the node's ranks wait on
+
+    def _left_after(self, ready: Callable[[float], bool]) -> bool:
+        """Whether this rank's node leader has gone after doing what it was waited for: it
+        leaves the page only once it opened the node's last gate (or mapped its last
+        segment), so a leader gone is a leader dead unless ``ready`` holds now."""
+        node = self._node
+        return self._on_page and node is not None and node.leader_gone() and ready(0.001)
 
     def advance(self) -> None:
         """A reader made progress: the peer waits' ``timeout_s`` starts again (a store round trip
