@@ -39,9 +39,10 @@ def test_a_new_world_on_the_same_port_after_destroy_loads_and_warms_up(llama: Pa
 
 
 def test_a_process_whose_load_failed_exits_within_seconds(llama: Path) -> None:
-    """Rank 1 fails mid-stream, leaving broadcasts in flight on the others until their
-    timeout (24 s here); every host process still exits within a few seconds of the load
-    returning (what the interpreter's own teardown takes with torch and Megatron loaded)."""
+    """A load (timeout_s=20) makes the kept control plane; a second (timeout_s=1) fails on
+    rank 0 while rank 1 hangs, its report's operation in flight: rank 0's host process
+    still exits within seconds of the load returning, not when that operation's time (24 s
+    from its start) runs out."""
     port = _free_port()
     tests = str(Path(__file__).parents[1])
     code = (
@@ -60,20 +61,13 @@ def test_a_process_whose_load_failed_exits_within_seconds(llama: Path) -> None:
         )
         for rank in range(2)
     ]
-    exited: dict[int, float] = {}
     try:
-        deadline = time.monotonic() + 120
-        while len(exited) < len(ranks) and time.monotonic() < deadline:
-            for rank, process in enumerate(ranks):
-                if rank not in exited and process.poll() is not None:
-                    exited[rank] = time.time()
-            time.sleep(0.05)
-        for rank, process in enumerate(ranks):
-            out, err = process.communicate(timeout=5)
-            assert "failed: rank0_loader: streaming" in out, (rank, out, err[-3000:])
-            returned = float(out.rsplit("returned at ", 1)[1])
-            # the interpreter's own teardown, on a busy machine; not the operations' 24 s
-            assert exited[rank] - returned < 10.0, (rank, exited[rank] - returned)
+        out, err = ranks[0].communicate(timeout=120)
+        exited = time.time()
+        assert "failed: rank0_loader: mapping" in out, (out, err[-3000:])
+        returned = float(out.rsplit("returned at ", 1)[1])
+        assert exited - returned < 8.0, exited - returned  # the interpreter's own teardown
     finally:
         for process in ranks:
             process.kill()
+            process.communicate()

@@ -258,32 +258,35 @@ def reinit_on_the_same_port(checkpoint: str, port: int) -> dict[str, Any]:
 
 
 def fail_a_load_then_exit(checkpoint: str, port: int, rank: int, world: int) -> None:
-    """A host process of its own (``python -c``): a world on ``port``, a load whose rank 1
-    runs out of memory mid-stream (operations left in flight on the others), then the host
-    exits. Prints when the load returned (``time.time()``)."""
+    """A host process of its own (``python -c``): a world on ``port``, a load with
+    ``timeout_s=20`` (it makes the kept control plane), then one with ``timeout_s=1`` whose
+    rank 1 hangs mapping its parameters: the others' report times out with its operation
+    left in flight, then the host exits. Prints when the second load returned
+    (``time.time()``)."""
     import torch.distributed as dist
 
     from megastart import load_hf_checkpoint
     from megastart.harness.cpu import initialize_megatron
-    from megastart.loader import stream
+    from megastart.loader import api
     from support.loader_ranks import build, settings
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     initialize_megatron(tp=2)
-    original = stream.Stream.apply
+    chunks = build(checkpoint)
+    load_hf_checkpoint(chunks, checkpoint, settings=settings(timeout_s=20.0))
+    original = api.local_needs
 
-    def apply_then_fail(self: Any, index: int, payload: Any) -> None:
-        if index == 8:
-            raise MemoryError("out of host memory (injected)")
-        original(self, index, payload)
+    def late(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(60.0)  # hung: the test kills it
+        return original(*args, **kwargs)
 
     if rank == 1:
-        stream.Stream.apply = apply_then_fail  # type: ignore[method-assign]
-    chunks = build(checkpoint)
+        api.local_needs = late  # type: ignore[assignment]
     try:
-        load_hf_checkpoint(chunks, checkpoint, settings=settings(timeout_s=20.0))
+        load_hf_checkpoint(chunks, checkpoint, settings=settings(timeout_s=1.0))
     except Exception as e:
         print(f"failed: {e}", flush=True)
+
     print(f"returned at {time.time()}", flush=True)
