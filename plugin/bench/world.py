@@ -31,7 +31,7 @@ ROLES = ("reader", "leader", "member")
 
 WAIT_S = 6.0
 """How long the store-request count waits at the board (past its settling, see
-:data:`megastart.distributed.board.SETTLE_S`)."""
+:data:`megastart.distributed.polling.SETTLE_S`)."""
 
 
 def measure_world(
@@ -163,13 +163,13 @@ def store_requests_per_second(
     """Store requests per second of a rank waiting ``wait_s`` at a real :class:`Board` on a
     peer that never answers, as the leader of one of ``nodes`` nodes or another rank of it
     (its board attached to a real page of node-shared memory): in the first
-    :data:`~megastart.distributed.board.SETTLE_S` seconds (``first``) and after (``settled``)."""
+    :data:`~megastart.distributed.polling.SETTLE_S` seconds (``first``) and after (``settled``)."""
     import datetime
 
     import torch.distributed as dist
 
     from megastart.distributed import Board
-    from megastart.distributed.board import SETTLE_S
+    from megastart.distributed.polling import SETTLE_S
     from megastart.loader.node import NodeBoard
     from megastart.loader.shm import Segment
 
@@ -209,12 +209,15 @@ class CountingStore:
     def __init__(self, store: Any) -> None:
         self._store = store
         self.times: list[float] = []
+        self.names: list[str] = []
+        """Each request's method (``"check"``, ``"wait"``, ...), in the order of :attr:`times`."""
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self._store, name)
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             self.times.append(time.monotonic())
+            self.names.append(name)
             return method(*args, **kwargs)
 
         return counted

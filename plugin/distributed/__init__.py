@@ -18,8 +18,8 @@ its leader look at a page of node-shared memory instead (:class:`Node`), so
 waiting costs the store about a request a second per node. :class:`Sticky` makes a call that failed in a
 process fail at once when it is made again.
 
-The modules: :mod:`.errors`, :mod:`.board`, :mod:`.groups`, :mod:`.agreement`,
-:mod:`.sticky`, :mod:`.control`.
+The modules: :mod:`.errors`, :mod:`.polling`, :mod:`.page`, :mod:`.board`, :mod:`.groups`, :mod:`.agreement`,
+:mod:`.sticky`, :mod:`.control`, :mod:`.kept`.
 """
 
 from megastart.distributed.agreement import (
@@ -29,24 +29,8 @@ from megastart.distributed.agreement import (
     broadcast_or_raise,
     check_agreed,
 )
-from megastart.distributed.board import (
-    PEER_GRACE_S,
-    POLL_S,
-    PROGRESS_LOOK_S,
-    Board,
-    Node,
-    polled_locally,
-)
-from megastart.distributed.control import (
-    FANOUT,
-    Control,
-    discard_control,
-    discarding_control,
-    kept_control,
-    make_control,
-    node_key,
-    tree_levels,
-)
+from megastart.distributed.board import PEER_GRACE_S, PROGRESS_LOOK_S, Board
+from megastart.distributed.control import FANOUT, Control, make_control, node_key, tree_levels
 from megastart.distributed.errors import (
     CollectiveError,
     FailedBefore,
@@ -54,6 +38,9 @@ from megastart.distributed.errors import (
     Stalled,
 )
 from megastart.distributed.groups import LocalGroup, OwnGroups, destroy_group, new_group
+from megastart.distributed.kept import discard_control, discarding_control, kept_control
+from megastart.distributed.page import Node
+from megastart.distributed.polling import POLL_S, polled_locally
 from megastart.distributed.sticky import Sticky
 
 __all__ = [

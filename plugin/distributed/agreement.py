@@ -71,10 +71,9 @@ def all_or_none(
         )
     except Exception as e:
         here = "" if mine is None else f" failed on rank {dist.get_rank()}: {mine};"
-        raise CollectiveError(
-            f"{what}{here} the other ranks did not report within {waited_s:.0f} s "
-            f"(a rank died, hung, or never entered this step): {e}"
-        ) from (local or e)
+        raise _unreported(what, here, "the other ranks did not report", waited_s, e, board) from (
+            local or e
+        )
     failed = sorted(  # a rank's own error first, then those it made others stop with
         (peer, rank, report) for rank, (report, peer, _) in enumerate(reports) if report is not None
     )
@@ -102,13 +101,31 @@ def broadcast_or_raise(
     try:  # the others wait longer than rank 0 gives produce(): its error is the one named
         error, value = control.broadcast(mine, timeout_s=timeout_s + 2 * PEER_GRACE_S)
     except Exception as e:
-        raise CollectiveError(
-            f"{what}: rank 0 did not send its result within {timeout_s:.0f} s "
-            f"(it died, hung, or never entered this step): {e}"
-        ) from e
+        raise _unreported(what, ":", "rank 0 did not send its result", timeout_s, e, None) from e
     if error is not None:
         raise CollectiveError(f"{what} failed on rank 0: {error}")
     return value
+
+
+def _unreported(
+    what: str, here: str, missing: str, waited_s: float, error: Exception, board: Board | None
+) -> CollectiveError:
+    """The error of a report that did not come: the failure a rank announced on the ``board``
+    if any (the real error: the control plane's is its echo); else a timeout, said to be
+    one (``missing`` within ``waited_s``); else the control plane's own error. ``here``:
+    this rank's own error, or a separator."""
+    try:
+        announced = board.failure() if board is not None else None
+    except Exception:  # the store went with the rank that held it: the errors below say so
+        announced = None
+    if announced is not None:
+        return CollectiveError(f"{what} failed on {announced}")
+    if isinstance(error, TimeoutError):
+        return CollectiveError(
+            f"{what}{here} {missing} within {waited_s:.0f} s (a rank died, hung, or never "
+            f"entered this step): {error}"
+        )
+    return CollectiveError(f"{what}{here} {missing}: {error}")
 
 
 def _bounded(produce: Callable[[], Any], timeout_s: float) -> tuple[str | None, Any]:

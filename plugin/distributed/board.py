@@ -7,20 +7,14 @@ import datetime
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from megastart.distributed.errors import PeerFailed, Stalled, describe
+from megastart.distributed.errors import LeaderGone, PeerFailed, Stalled, describe
+from megastart.distributed.polling import POLL_S, next_slice, polled_locally
 from megastart.errors import CollectiveError
 
-POLL_S = 0.1
-"""How long a wait blocks before it looks at the :class:`Board` again, for its first
-:data:`SETTLE_S` seconds (most waits end within them)."""
-
-SETTLE_S = 3.0
-LONG_POLL_S = 1.0
-"""After :data:`SETTLE_S` seconds a wait looks at the board once every this many seconds: a
-leader that waits long (a far bucket) costs the store a request a second, not ten, and a
-failure still reaches it within a second."""
+if TYPE_CHECKING:
+    from megastart.distributed.page import Node
 
 LOOKS_PER_S = 1000.0
 """The store requests a second the ranks waiting at a board may make together to look for
@@ -41,50 +35,6 @@ _GO, _FAILED = "go", "failed:"
 
 _calls: dict[str, int] = {}
 """How many :class:`Board` s this process made per call name."""
-
-
-class Node(Protocol):
-    """What the ranks of one node share about a call without the store: a page of node-shared
-    memory (``megastart.loader.node.NodeBoard``), the leader its only writer but for the
-    failure flag and each rank's own arrivals. See :meth:`Board.attach`."""
-
-    @property
-    def leads(self) -> bool:
-        """Whether this rank is the node's leader, the one that talks to the store."""
-        ...
-
-    @property
-    def size(self) -> int:
-        """The node's ranks, its leader included."""
-        ...
-
-    def failed(self) -> bool:
-        """Whether a failure was announced (its text is on the store)."""
-        ...
-
-    def fail(self) -> None: ...
-
-    def progress(self) -> int:
-        """How often the leader saw the call progress (a count that only grows)."""
-        ...
-
-    def advanced(self) -> None:
-        """The leader saw the call progress: it read, received, or saw a reader's progress."""
-        ...
-
-    def arrive(self) -> None:
-        """Count this rank in at the node's next barrier."""
-        ...
-
-    def arrived(self, count: int) -> bool:
-        """Whether every rank of the node arrived at ``count`` barriers."""
-        ...
-
-    def gate(self) -> int:
-        """How many barriers the leader opened to the node."""
-        ...
-
-    def open(self, count: int) -> None: ...
 
 
 class Board:
@@ -124,6 +74,7 @@ class Board:
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.timeout_s = float("inf")
+        """What bounds the call's waits: set by :meth:`check_in` (a wait before it raises)."""
         self._advanced = -float("inf")
         self._store = dist.PrefixStore(f"megastart/{what}/{number}/", _get_default_store())
         self._node: Node | None = None
@@ -171,27 +122,46 @@ class Board:
         Ranks still checking in hear it too: they stop waiting for this one; and ranks
         waiting at a :meth:`barrier` this one has not passed are released with it.
         """
-        if not isinstance(error, PeerFailed):
-            failure = f"rank {self.rank}: {describe(error)}"
-            self._store.compare_set("failed", "", failure)
-            released = f"{_FAILED}{self.what} failed on {failure}"
-            self._store.compare_set("start", "", released)
-            self._store.compare_set(_gate(self._barriers), "", released)
         if self._node is not None:
             self._node.fail()
+        if isinstance(error, PeerFailed):
+            return
+        failure = f"rank {self.rank}: {describe(error)}"
+        released = f"{_FAILED}{self.what} failed on {failure}"
+        try:
+            self._store.compare_set("failed", "", failure)
+            self._store.compare_set("start", "", released)
+            self._store.compare_set(_gate(self._barriers), "", released)
+        except Exception as e:  # the error stays this rank's own; the others hear of it late
+            error.add_note(
+                f"megastart could not announce it to the other ranks: the store failed "
+                f"({type(e).__name__}: {e}; its server, on rank 0's process, may be gone)"
+            )
 
     def failure(self) -> str | None:
         """``"rank R: error"`` of the first failure announced, or ``None``.
 
-        A node's other ranks look at its page first, and at the store only for the text.
+        A node's other ranks look at its page first, and at the store only for the text, or
+        once their leader is gone (it no longer copies the store's failures to the page).
         """
         node = self._node
         if node is None or not node.failed():
-            if self._on_page or not self._store.check(["failed"]):
+            if self._on_page:
+                if not node.leader_gone():  # type: ignore[union-attr]
+                    return None
+                self._lost_leader(node.leader)  # type: ignore[union-attr]
+            elif not self._store.check(["failed"]):
                 return None
             if node is not None:
                 node.fail()
         return bytes(self._store.get("failed")).decode()
+
+    def _lost_leader(self, leader: int) -> None:
+        """This node's leader (global rank ``leader``) is gone: announce it, unless a failure
+        was announced already (the leader's own, or what it died of)."""
+        if not self._store.check(["failed"]):
+            gone = f"its node's leader, rank {leader}, is gone (killed, or died without a word)"
+            self.announce(LeaderGone(gone))
 
     @contextmanager
     def announcing(self) -> Iterator[None]:
@@ -219,16 +189,24 @@ class Board:
         try:  # one blocking wait: a store wait that times out logs a c10d warning
             self._store.wait(["start"], datetime.timedelta(seconds=timeout_s))
         except Exception:  # the timeout; a store that is gone fails again below
-            missing = [r for r in range(self.world) if not self._store.check([f"arrived/{r}"])]
-            self._store.compare_set(
-                "start",
-                "",
-                f"{self.what}: rank(s) {missing} did not start it within timeout_s={timeout_s:g} "
-                "s (died, hung, or never called it); no process group was made",
-            )
+            self._name_the_missing(timeout_s)
         start = self._released("start")
         if start != _GO:
             raise CollectiveError(start)
+
+    def _name_the_missing(self, timeout_s: float) -> None:
+        """After a check-in timed out: the first rank here asks the store about every rank
+        (``world`` requests, once), the others wait for what it finds (a request each)."""
+        said = f"{self.what}: rank(s) {{}} did not start it within timeout_s={timeout_s:g} s "
+        said += "(died, hung, or never called it); no process group was made"
+        if self._store.add("late", 1) == 1:
+            missing = [r for r in range(self.world) if not self._store.check([f"arrived/{r}"])]
+            self._store.compare_set("start", "", said.format(missing))
+            return
+        try:
+            self._store.wait(["start"], datetime.timedelta(seconds=PEER_GRACE_S))
+        except Exception:  # the rank naming them stopped too: said without the names
+            self._store.compare_set("start", "", said.format("not named"))
 
     def wait(
         self,
@@ -247,7 +225,7 @@ class Board:
         :raises Stalled: after ``timeout_s``, naming ``what`` (or what it returns
             then); announced first, so the others stop at once.
         """
-        limit = self.timeout_s + (grace * PEER_GRACE_S if peer else 0.0)
+        limit = self._bound() + (grace * PEER_GRACE_S if peer else 0.0)
         started = time.monotonic()
         deadline = started + limit
         # Most waits end in their first slice, and a look at the store is a request: the
@@ -255,10 +233,12 @@ class Board:
         # progress first after PROGRESS_LOOK_S.
         progress: int | None = None
         looked = looked_for_failures = started
-        while not ready(_slice(started, deadline)):
+        while not ready(next_slice(started, deadline)):
             now = time.monotonic()
             if self._on_page or now - looked_for_failures >= self.look_s:
                 looked_for_failures = now
+                if self._left_after(ready):
+                    break
                 failure = self.failure()
                 if failure is not None:
                     raise PeerFailed(f"{self.what} failed on {failure}")
@@ -271,6 +251,13 @@ class Board:
                 raise self._stalled(limit, what if isinstance(what, str) else what())
         if peer and self._node is not None and self._node.leads:
             self._node.advanced()  # what it waited for came: the node's ranks wait on
+
+    def _left_after(self, ready: Callable[[float], bool]) -> bool:
+        """Whether this rank's node leader has gone after doing what it was waited for: it
+        leaves the page only once it opened the node's last gate (or mapped its last
+        segment), so a leader gone is a leader dead unless ``ready`` holds now."""
+        node = self._node
+        return self._on_page and node is not None and node.leader_gone() and ready(0.001)
 
     def advance(self) -> None:
         """A reader made progress: the peer waits' ``timeout_s`` starts again (a store round trip
@@ -358,7 +345,7 @@ class Board:
         happens only while a load runs longer than ``timeout_s``, or on the way
         to :class:`Stalled`.
         """
-        limit = self.timeout_s + PEER_GRACE_S
+        limit = self._bound() + PEER_GRACE_S
         progress = self._progress()
         while True:
             try:
@@ -367,6 +354,14 @@ class Board:
             except Exception:  # the timeout; a store that is gone fails again below
                 if progress == (progress := self._progress()):
                     raise self._stalled(limit, what) from None
+
+    def _bound(self) -> float:
+        """``timeout_s``; an error where nothing set it: a wait with no deadline could hang."""
+        if self.timeout_s == float("inf"):
+            raise RuntimeError(
+                f"Board({self.what!r}): a wait before check_in(timeout_s), which bounds them"
+            )
+        return self.timeout_s
 
     def _stalled(self, limit: float, what: str) -> Stalled:
         """The error of a wait of ``limit`` seconds for ``what`` that ran out, announced."""
@@ -394,32 +389,3 @@ class Board:
 def _gate(number: int) -> str:
     """The key that opens a call's barrier ``number`` (from 0), or says why it never will."""
     return f"gate/{number}"
-
-
-def _slice(started: float, deadline: float) -> float:
-    """How long the next slice of a wait that started at ``started`` may block: :data:`POLL_S`
-    at first, :data:`LONG_POLL_S` after :data:`SETTLE_S`, never past the ``deadline``."""
-    now = time.monotonic()
-    length = POLL_S if now - started < SETTLE_S else LONG_POLL_S
-    return max(0.001, min(length, deadline - now))  # 0 would mean "no timeout" to gloo
-
-
-def polled_locally(condition: Callable[[], bool]) -> Callable[[float], bool]:
-    """A ``ready`` for :meth:`Board.wait` that polls a ``condition`` costing no request (a word
-    of node-shared memory, a name in ``/dev/shm``): every 50 microseconds at first (the peer
-    usually answers at once), then less often, up to every quarter :data:`POLL_S`. The pause
-    carries over from one slice to the next."""
-    pause = 5e-5
-
-    def ready(slice_s: float) -> bool:
-        nonlocal pause
-        deadline = time.monotonic() + slice_s
-        while not condition():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            time.sleep(min(pause, left))
-            pause = min(2 * pause, POLL_S / 4)
-        return True
-
-    return ready

@@ -18,12 +18,12 @@ import hashlib
 import os
 import pickle
 import socket
-import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, NamedTuple
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from megastart.distributed.groups import LocalGroup
+from megastart.errors import CollectiveError
 
 if TYPE_CHECKING:
     import torch
@@ -32,8 +32,9 @@ if TYPE_CHECKING:
 FANOUT = 32
 """The most node leaders in one group of the tree (a node's group holds all its ranks)."""
 
-_trees = 0
-"""How many trees this process made (the same on every rank while they make them together)."""
+
+class ControlFailed(CollectiveError):
+    """A collective of the control plane failed before its time was up (not a timeout)."""
 
 
 def node_key() -> tuple[str, int]:
@@ -74,8 +75,8 @@ class Control:
     phases need on them: every rank's report on every rank (:meth:`gather`) and rank 0's
     value on every rank (:meth:`broadcast`). Each group's first rank leads it.
 
-    :param top: the tree's top group, if this rank is in it: its ranks hold every report
-        once they have exchanged theirs.
+    :param top: the tree's top group, where known (to its ranks and every node leader): its
+        ranks hold every report once they have exchanged theirs.
     """
 
     def __init__(
@@ -103,17 +104,24 @@ class Control:
         for group in self.groups:
             for part in _allgather(group, pickle.dumps(held), timeout_s):
                 held.update(pickle.loads(part))
-        for group in reversed(self.groups):
-            if group.ranks != self.top:
-                held = pickle.loads(_broadcast(group, pickle.dumps(held), timeout_s))
+        if self.groups and self.top not in self.group_ranks:  # it all comes down from the top
+            held = pickle.loads(self._down(b"", timeout_s))
+        elif len(self.groups) > 1:  # the top's ranks lead groups below it
+            self._down(pickle.dumps(held), timeout_s)
         return [held[rank] for rank in range(self.world)]
 
     def broadcast(self, value: Any, *, timeout_s: float) -> Any:
         """Rank 0's ``value`` (picklable) on every rank; rank 0 leads every group it is in."""
-        payload = pickle.dumps(value)
+        return pickle.loads(self._down(pickle.dumps(value), timeout_s, top=True))
+
+    def _down(self, payload: bytes, timeout_s: float, *, top: bool = False) -> bytes:
+        """``payload`` passed down this rank's groups, top first (the tree's top group too if
+        ``top``), each from its leader: what came from above, as bytes (a leader's own
+        ``payload`` where nothing is above it)."""
         for group in reversed(self.groups):
-            payload = _broadcast(group, payload, timeout_s)
-        return pickle.loads(payload)
+            if top or group.ranks != self.top:
+                payload = _broadcast(group, payload, timeout_s)
+        return payload
 
 
 def make_control(timeout_s: float, *, fanout: int = FANOUT) -> Control:
@@ -128,14 +136,11 @@ def make_control(timeout_s: float, *, fanout: int = FANOUT) -> Control:
         ``timeout_s``, naming it.
     """
     import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _get_default_store
 
     from megastart.distributed.board import Board
 
-    global _trees
-    _trees += 1
     board = Board("control")
-    store = dist.PrefixStore(f"megastart/control-tree/{_trees}/", _get_default_store())
+    store = board.store  # this tree's keys: the board numbers its calls
     rank = dist.get_rank()
     node = f"node/{hashlib.sha1(repr(node_key()).encode()).hexdigest()[:16]}"
     _add(store, node, rank)
@@ -178,12 +183,12 @@ def _allgather(group: LocalGroup, payload: bytes, timeout_s: float) -> list[byte
     import torch
 
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in group.ranks]
-    _wait(group, group.process_group.allgather([sizes], [_size(payload)]), timeout_s)
+    _wait(group, group.all_gather(sizes, _size(payload), timeout_s=timeout_s), timeout_s)
     longest = max(int(size) for size in sizes)
     parts = [torch.empty(longest, dtype=torch.uint8) for _ in group.ranks]
     mine = torch.zeros(longest, dtype=torch.uint8)
     mine[: len(payload)] = _bytes(payload)
-    _wait(group, group.process_group.allgather([parts], [mine]), timeout_s)
+    _wait(group, group.all_gather(parts, mine, timeout_s=timeout_s), timeout_s)
     return [part[: int(size)].numpy().tobytes() for part, size in zip(parts, sizes, strict=True)]
 
 
@@ -193,9 +198,9 @@ def _broadcast(group: LocalGroup, payload: bytes, timeout_s: float) -> bytes:
 
     leader, leads = group.ranks[0], group.index == 0
     size = _size(payload) if leads else torch.zeros(1, dtype=torch.int64)
-    _wait(group, group.broadcast(size, leader), timeout_s)
+    _wait(group, group.broadcast(size, leader, timeout_s=timeout_s), timeout_s)
     data = _bytes(payload) if leads else torch.empty(int(size), dtype=torch.uint8)
-    _wait(group, group.broadcast(data, leader), timeout_s)
+    _wait(group, group.broadcast(data, leader, timeout_s=timeout_s), timeout_s)
     return payload if leads else data.numpy().tobytes()
 
 
@@ -216,64 +221,26 @@ def _bytes(payload: bytes) -> torch.Tensor:
 
 
 def _wait(group: LocalGroup, work: Any, timeout_s: float) -> None:
-    """Wait for ``work`` on ``group``, at most ``timeout_s``; the error names the group."""
+    """Wait for ``work`` on ``group``, at most ``timeout_s``.
+
+    :raises TimeoutError: when it did not complete in time, naming the group.
+    :raises ControlFailed: when it failed otherwise (a peer's connection closed: it died or
+        gave up), naming the group and gloo's error.
+    """
+    started = time.monotonic()
     try:
         work.wait(datetime.timedelta(seconds=timeout_s))
     except Exception as e:
-        raise TimeoutError(
-            f"the control group of ranks {_shown(group.ranks)} did not complete within "
-            f"{timeout_s:g} s: {e}"
+        ranks, waited = _shown(group.ranks), time.monotonic() - started
+        if "timed out" in str(e).lower():
+            raise TimeoutError(
+                f"the control group of ranks {ranks} did not complete within {timeout_s:g} s: {e}"
+            ) from e
+        raise ControlFailed(
+            f"the control group of ranks {ranks} failed after {waited:.1f} s (a rank of it "
+            f"died or gave up): {e}"
         ) from e
 
 
 def _shown(ranks: Sequence[int]) -> str:
     return str(list(ranks)) if len(ranks) <= 8 else f"[{ranks[0]}, ..., {ranks[-1]}] ({len(ranks)})"
-
-
-class _Kept(NamedTuple):
-    """The kept control plane, and the WORLD group it was made in."""
-
-    world: dist.ProcessGroup | None
-    control: Control
-
-
-_kept: list[_Kept] = []
-"""This process's kept control plane, if any."""
-
-
-def kept_control(*, timeout_s: float) -> Control:
-    """The control plane for the phase reports of megastart's calls (the loader's and the
-    warmup's alike): its tree of small gloo groups, made by the first call in
-    this process (collectively, through the store) and kept for the later ones, made anew
-    once WORLD was rebuilt.
-
-    Making and tearing down even small gloo groups costs a warm load tens of milliseconds;
-    kept, they hold a socket per peer of the groups this rank is in. Their gloo timeout is
-    the first call's ``timeout_s``; each collective on them is bounded by its own.
-    """
-    import torch.distributed as dist
-
-    world = dist.group.WORLD
-    if not _kept or _kept[0].world is not world:
-        _kept[:] = [_Kept(world, make_control(timeout_s))]
-    return _kept[0].control
-
-
-def discard_control() -> None:
-    """Let the kept control plane go (after a failed call: its groups may hold operations
-    that never completed); the next call makes another. Its connections close off this
-    thread (gloo closes them one at a time)."""
-    dropped = list(_kept)
-    _kept.clear()
-    threading.Thread(target=dropped.clear, name="megastart-control-teardown").start()
-
-
-@contextmanager
-def discarding_control() -> Iterator[None]:
-    """:func:`discard_control` if the block fails (a call whose reports may not all have
-    completed)."""
-    try:
-        yield
-    except BaseException:
-        discard_control()
-        raise

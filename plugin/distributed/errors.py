@@ -19,6 +19,10 @@ class Stalled(CollectiveError):
     """A wait took longer than ``timeout_s``; the message names what was waited for."""
 
 
+class LeaderGone(CollectiveError):
+    """A rank found its node's leader gone: the process ended (killed, or died without a word)."""
+
+
 class FailedBefore(CollectiveError):
     """A megastart call was made again in a process where it had failed (:class:`Sticky`)."""
 

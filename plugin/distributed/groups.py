@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -62,13 +63,29 @@ class LocalGroup:
         timeout = datetime.timedelta(seconds=timeout_s)
         return cls(ranks, index, dist.ProcessGroupGloo(store, index, len(ranks), timeout))
 
-    def broadcast(self, tensor: torch.Tensor, src: int) -> dist.Work:
-        """Broadcast ``tensor`` from global rank ``src``."""
+    def broadcast(
+        self, tensor: torch.Tensor, src: int, *, timeout_s: float | None = None
+    ) -> dist.Work:
+        """Broadcast ``tensor`` from global rank ``src``, within ``timeout_s`` (by default the
+        group's)."""
         import torch.distributed as dist
 
         options = dist.BroadcastOptions()
         options.rootRank = self.ranks.index(src)
+        _bound(options, timeout_s)
         return self.process_group.broadcast([tensor], options)
+
+    def all_gather(
+        self, parts: list[torch.Tensor], tensor: torch.Tensor, *, timeout_s: float
+    ) -> dist.Work:
+        """Every rank's ``tensor`` into ``parts`` (one per rank), within ``timeout_s``: gloo
+        bounds an operation by its own options, else by the group's timeout, fixed when the
+        group was made (for a kept group, by another call than this one)."""
+        from torch._C._distributed_c10d import AllgatherOptions
+
+        options = AllgatherOptions()
+        _bound(options, timeout_s)
+        return self.process_group.allgather([parts], [tensor], options)
 
     def all_reduce(self, tensor: torch.Tensor) -> dist.Work:
         return self.process_group.allreduce([tensor])
@@ -112,4 +129,35 @@ class OwnGroups:
             destroy_group(group)
         dropped = [groups, self._local]
         self._local = []
-        threading.Thread(target=dropped.clear, name="megastart-group-teardown").start()
+        drop_later(dropped, "megastart-group-teardown")
+
+
+_dropping: list[threading.Thread] = []
+"""The threads of :func:`drop_later` not known to have ended."""
+
+
+def drop_later(dropped: list[Any], name: str) -> None:
+    """Clear ``dropped`` (the last references to process groups) on a thread named ``name``.
+
+    A daemon thread: a group of a failed call may hold an operation until that operation's
+    timeout, and its teardown waits for it; the process must not (it exits when the host
+    is done with it). :func:`settle_drops` waits for them where it matters.
+    """
+    thread = threading.Thread(target=dropped.clear, name=name, daemon=True)
+    _dropping[:] = [t for t in _dropping if t.is_alive()] + [thread]
+    thread.start()
+
+
+def settle_drops(timeout_s: float) -> None:
+    """Wait, at most ``timeout_s`` in all, until the groups of :func:`drop_later` are torn
+    down (their sockets closed, their hold on the store let go)."""
+    deadline = time.monotonic() + timeout_s
+    for thread in _dropping:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    _dropping[:] = [t for t in _dropping if t.is_alive()]
+
+
+def _bound(options: Any, timeout_s: float | None) -> None:
+    """Bound the operation of ``options`` by ``timeout_s`` (``None``: the group's timeout)."""
+    if timeout_s is not None:
+        options.timeout = datetime.timedelta(seconds=timeout_s)

@@ -15,15 +15,23 @@ Every word has one writer (a rank's own counts; the leader's gate and progress; 
 failure flag is only ever set), and a reader acts on one word alone, never on other
 bytes it would order (a failure's text is read from the store): no memory order
 between the words is needed.
+
+A node's other ranks wait on the page, so a leader killed without a word would leave
+them waiting there for the whole ``timeout_s``. So the leader holds a POSIX lock on the
+page's file while it lives (the kernel drops it when the process ends, however it ends,
+and across PID namespaces), and the others, looking at the page, test it: a leader gone
+is announced on the store within a slice of their wait.
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 from megastart.distributed import Board, polled_locally
-from megastart.loader.shm import Segment
+from megastart.loader.shm import SHM_DIR, Segment
 
 _FAILED, _PROGRESS, _GATE = 0, 1, 2
 _HEAD = 4
@@ -37,7 +45,11 @@ class NodeBoard:
     barriers it arrived at and how many of the node's segments it mapped.
     """
 
-    def __init__(self, segment: Segment, size: int, index: int) -> None:
+    def __init__(
+        self, segment: Segment, size: int, index: int, *, leader: int = 0, lock: int | None = None
+    ) -> None:
+        """:param leader: the leader's global rank. :param lock: (on the others) a descriptor of
+        the page's file, which the leader holds locked while it lives (:func:`node_board`)."""
         import torch
 
         assert segment.tensor is not None
@@ -45,6 +57,8 @@ class NodeBoard:
         """The page's name in ``/dev/shm`` (gone once mapped); the node's segments derive theirs."""
         self.size = size
         self.index = index
+        self.leader = leader
+        self._lock = lock
         self._words = segment.tensor[: self.nbytes(size)].view(torch.int64)
         self._barriers = self._words[_HEAD : _HEAD + size]
         self._maps = self._words[_HEAD + size : _HEAD + 2 * size]
@@ -58,6 +72,18 @@ class NodeBoard:
     @property
     def leads(self) -> bool:
         return self.index == 0
+
+    def leader_gone(self) -> bool:
+        """Whether the leader's lock on the page is free: its process ended (a request to the
+        kernel, none to the store)."""
+        if self._lock is None:
+            return False
+        try:
+            fcntl.lockf(self._lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:  # the leader holds it
+            return False
+        fcntl.lockf(self._lock, fcntl.LOCK_UN)
+        return True
 
     def failed(self) -> bool:
         return bool(self._words[_FAILED])
@@ -103,32 +129,65 @@ def node_board(board: Board, members: Sequence[int], *, nodes: int) -> Iterator[
     ``board`` for the block (``None`` for a node of one rank, which needs none) as the page of
     one of ``nodes``.
 
-    The leader makes it and posts its name on the store; the others read the name
-    (one blocking request each) and map it; once all have, its name is removed.
+    The leader makes it, locks it (:meth:`NodeBoard.leader_gone`) and posts its name on the
+    store; the others read the name (one blocking request each), open and map it; once all
+    have, its name is removed. Every rank then meets the others at a barrier of the board,
+    so a node whose page could not be made stops every node here, before the groups of
+    the stream are made (its ranks would never come to them).
     """
     if len(members) == 1:
         board.attach(None, leaders=nodes)
+        board.barrier("every node's page")
         yield None
         return
     index = list(members).index(board.rank)
     key = f"node/{members[0]}"
     if index == 0:
         try:
-            segment = Segment.create(NodeBoard.nbytes(len(members)))
+            segment, lock = _made_and_locked(len(members))
         except BaseException as e:
             board.withdraw(key, e)
+            board.announce(e)
             raise
         board.post(key, segment.name)
     else:
-        segment = Segment.open(board.read(key, f"the page of node leader rank {members[0]}"))
-    page = NodeBoard(segment, len(members), index)
-    with _shared(board, page, segment, members):
-        board.attach(page, leaders=nodes)
+        name = board.read(key, f"the page of node leader rank {members[0]}")
+        lock = os.open(SHM_DIR / name, os.O_RDWR)  # before the leader removes the name
         try:
-            with board.announcing():  # on the page too, while the node's ranks look there
-                yield page
-        finally:
-            board.attach(None, leaders=nodes)
+            segment = Segment.open(name)
+        except BaseException:
+            os.close(lock)
+            raise
+    page = NodeBoard(segment, len(members), index, leader=members[0], lock=lock if index else None)
+    try:
+        with _shared(board, page, segment, members):
+            board.attach(page, leaders=nodes)
+            try:
+                with board.announcing():  # on the page too, while the node's ranks look there
+                    board.barrier("every node's page")
+                    yield page
+            finally:
+                board.attach(None, leaders=nodes)
+    finally:
+        os.close(lock)
+
+
+def _made_and_locked(size: int) -> tuple[Segment, int]:
+    """A node's new page, and a descriptor of its file that this process holds locked (the
+    lock goes with the descriptor, or with the process)."""
+    segment = Segment.create(NodeBoard.nbytes(size))
+    try:
+        lock = os.open(SHM_DIR / segment.name, os.O_RDWR)
+        try:
+            fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BaseException:
+            os.close(lock)
+            raise
+    except BaseException:
+        segment.unlink()
+        segment.close()
+        raise
+    return segment, lock
 
 
 @contextmanager

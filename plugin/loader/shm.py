@@ -1,6 +1,6 @@
 """Node-shared bucket memory: one POSIX shared-memory segment per node and load.
 
-The node leader creates the segment (``/dev/shm/megastart-loader-<pid>-<token>``,
+The node leader creates the segment (``/dev/shm/megastart-loader-<ns>-<pid>-<token>``,
 the node's page of the board, :mod:`megastart.loader.node`; its later segments
 add ``-<n>``), filled under a ``.part`` name until it is whole, every other
 rank of the node maps it by name, and once all have mapped it the leader
@@ -8,7 +8,9 @@ unlinks the name: from then on the memory lives only as long as some
 process maps it, so a killed process leaks nothing. A leader killed between
 creating and unlinking leaves a name behind; the next load on the node removes
 every ``megastart-loader-`` segment whose creator process is gone
-(:func:`sweep_stale`).
+(:func:`sweep_stale`). ``<ns>`` is the creator's PID namespace: containers that share
+``/dev/shm`` (``--ipc=host``) each have their own, where another's pids mean nothing, so
+a sweep removes only the names of its own namespace.
 
 The segment holds a few bucket-sized buffers that are reused for the whole load:
 first touch of fresh shared memory costs about as much as a copy of it, so one
@@ -74,7 +76,7 @@ class Segment:
         ``fill`` writes it before it takes its name: a rank that finds the name finds it whole.
         """
         sweep_stale()
-        name = name or f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+        name = name or f"{PREFIX}{_namespace()}-{os.getpid()}-{secrets.token_hex(6)}"
         segment = cls(f"{name}.part", nbytes, create=True)
         try:
             if fill is not None:
@@ -121,14 +123,34 @@ class Segment:
 
 
 def sweep_stale() -> list[str]:
-    """Remove this node's loader segments whose creator process has exited; their names."""
+    """Remove the loader segments of this PID namespace whose creator process has exited;
+    their names. Another namespace's are left to a sweep there (:func:`creator`)."""
     removed = []
+    here = _namespace()
     for path in SHM_DIR.glob(f"{PREFIX}*"):
-        pid = path.name.removeprefix(PREFIX).split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        made_by = creator(path.name)
+        if made_by is not None and made_by[0] == here and not _alive(made_by[1]):
             path.unlink(missing_ok=True)
             removed.append(path.name)
     return removed
+
+
+def creator(name: str) -> tuple[int, int] | None:
+    """The PID namespace and pid of the process that made the segment ``name``; ``None`` for
+    a name of another form (an older megastart's, with no namespace: its pid means nothing
+    here)."""
+    parts = name.removeprefix(PREFIX).split("-", 2)
+    if len(parts) < 3 or not (parts[0].isdigit() and parts[1].isdigit()):
+        return None
+    return int(parts[0]), int(parts[1])
+
+
+def _namespace() -> int:
+    """This process's PID namespace (its inode; 0 where ``/proc`` does not say)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def _alive(pid: int) -> bool:

@@ -129,7 +129,7 @@ class Channel:
         """
         self._header(_OK, payload.numel())
         if ranks in self.receivers:  # the reader alone in a group of one too: NCCL exercised
-            return self._broadcast(payload, self.receivers[ranks], async_op=True)
+            return self._broadcast(payload, self.receivers[ranks])
         return None
 
     def announce(self, nbytes: int, buffer: int) -> dist.Work:
@@ -139,7 +139,7 @@ class Channel:
         (:meth:`wait`): it goes on reading while the ranks are still copying the
         buckets before, rather than waiting for each to take its header.
         """
-        return self._broadcast(self._header_tensor(_OK, nbytes, buffer), self.group, async_op=True)
+        return self._broadcast(self._header_tensor(_OK, nbytes, buffer), self.group)
 
     def send_error(self, message: str) -> None:
         """Tell the group that the sender failed, and why; each rank raises it as a :class:`ReaderError`."""
@@ -147,7 +147,7 @@ class Channel:
 
         data = torch.frombuffer(bytearray(message.encode()), dtype=torch.uint8).to(self.device)
         self._header(_FAILED, data.numel())
-        self.wait(self._broadcast(data, self.group, async_op=True), "the error message")
+        self.wait(self._broadcast(data, self.group), "the error message")
 
     def receive(
         self, buffer: torch.Tensor, ranks: tuple[int, ...], nbytes: int
@@ -167,7 +167,7 @@ class Channel:
         if ranks not in self.receivers:
             return None
         payload = buffer[:nbytes]
-        return payload, self._broadcast(payload, self.receivers[ranks], async_op=True)
+        return payload, self._broadcast(payload, self.receivers[ranks])
 
     def announced(self, nbytes: int, capacity: int, buffers: int) -> int:
         """Wait for the next :meth:`announce` of a bucket of the plan's ``nbytes``; its buffer.
@@ -206,7 +206,7 @@ class Channel:
         import torch
 
         data = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        self.wait(self._broadcast(data, self.group, async_op=True), "the error message")
+        self.wait(self._broadcast(data, self.group), "the error message")
         return bytes(data.cpu().numpy()).decode(errors="replace")
 
     def _header(self, status: int, nbytes: int, buffer: int = 0) -> tuple[int, int, int]:
@@ -214,7 +214,7 @@ class Channel:
         import torch.distributed as dist
 
         header = self._header_tensor(status, nbytes, buffer)
-        self.wait(self._broadcast(header, self.group, async_op=True), "a bucket's header")
+        self.wait(self._broadcast(header, self.group), "a bucket's header")
         if dist.get_rank() == self.src:
             return status, nbytes, buffer
         received = header.tolist()
@@ -230,15 +230,13 @@ class Channel:
         header[0], header[1], header[2] = status, nbytes, buffer
         return header
 
-    def _broadcast(
-        self, tensor: torch.Tensor, group: dist.ProcessGroup | LocalGroup, *, async_op: bool = False
-    ) -> Any:
+    def _broadcast(self, tensor: torch.Tensor, group: dist.ProcessGroup | LocalGroup) -> Any:
+        """Start broadcasting ``tensor`` from the sender over ``group``; the work in flight."""
         import torch.distributed as dist
 
         if isinstance(group, LocalGroup):
-            work = group.broadcast(tensor, self.src)
-            return work if async_op else work.wait()
-        return dist.broadcast(tensor, src=self.src, group=group, async_op=async_op)
+            return group.broadcast(tensor, self.src)
+        return dist.broadcast(tensor, src=self.src, group=group, async_op=True)
 
 
 Fetched = TypeVar("Fetched")

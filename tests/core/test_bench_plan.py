@@ -14,7 +14,7 @@ from support.loader_ranks import parameter_shapes
 from megastart.bench.synthetic import Layout, hf_tensors, rank_parameters
 from megastart.cli import main
 from megastart.distributed import POLL_S
-from megastart.distributed.board import LONG_POLL_S
+from megastart.distributed.polling import LONG_POLL_S
 from megastart.harness.launch import RankPool
 from megastart.loader.checkpoint import read_metadata
 

@@ -91,6 +91,14 @@ def test_on_one_node_the_tree_is_the_nodes_group(six: RankPool) -> None:
     assert all(r["gathered"][5] == {"rank": 5, "text": "xxxxx"} for r in results)
 
 
+def test_a_world_of_one_gathers_and_broadcasts_its_own_value() -> None:
+    with RankPool(1, timeout_s=60) as pool:
+        (result,) = pool.run(exchange, 1, 32)
+    assert result["groups"] == []
+    assert result["gathered"] == [{"rank": 0, "text": ""}]
+    assert result["broadcast"] == "from rank 0"
+
+
 def make_without(missing: int) -> str:
     import torch.distributed as dist
 

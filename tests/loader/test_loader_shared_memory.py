@@ -23,7 +23,7 @@ from support.loader_ranks import (
 
 from megastart.distributed import PEER_GRACE_S
 from megastart.harness.launch import RankFailure, RankPool
-from megastart.loader.shm import PREFIX, SHM_DIR
+from megastart.loader.shm import PREFIX, SHM_DIR, creator
 
 TP2_PP2 = {"tp": 2, "pp": 2}
 ROUTES = ("page_cache", "shared_memory")
@@ -44,7 +44,7 @@ def segments_of(pids: list[int]) -> list[str]:
     return sorted(
         p.name
         for p in SHM_DIR.glob(f"{PREFIX}*")
-        if int(p.name[len(PREFIX) :].split("-")[0]) in pids
+        if (made_by := creator(p.name)) is not None and made_by[1] in pids
     )
 
 
@@ -184,14 +184,64 @@ def test_a_segment_left_by_a_dead_leader_is_removed_by_the_next_load(
             [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, check=True
         ).stdout
     )
-    stale = SHM_DIR / f"{PREFIX}{dead}-0123456789ab"
-    alive = SHM_DIR / f"{PREFIX}{os.getpid()}-0123456789ab"  # a load in progress elsewhere
-    for path in (stale, alive):
+    here = os.stat("/proc/self/ns/pid").st_ino
+    stale = SHM_DIR / f"{PREFIX}{here}-{dead}-0123456789ab"
+    alive = SHM_DIR / f"{PREFIX}{here}-{os.getpid()}-0123456789ab"  # a load in progress elsewhere
+    # another PID namespace's (a container sharing /dev/shm): its pid means nothing here
+    elsewhere = SHM_DIR / f"{PREFIX}{here + 1}-{dead}-0123456789ab"
+    for path in (stale, alive, elsewhere):
         path.write_bytes(b"\0" * 4096)
     try:
         rank_pools[2].run(load_as_nodes, checkpoint, {"tp": 2}, 2, {})
         assert not stale.exists()
         assert alive.exists()
+        assert elsewhere.exists()
     finally:
-        for path in (stale, alive):
+        for path in (stale, alive, elsewhere):
             Path(path).unlink(missing_ok=True)
+
+
+_MADE_IN_A_NAMESPACE = """
+import os, sys, time
+target = int(sys.argv[1])
+while True:  # pids count up from 1 in a new namespace: fork until the child is `target`
+    pid = os.fork()
+    if pid == 0:
+        if os.getpid() == target:
+            from megastart.loader.shm import Segment
+            print(Segment.create(4096).name, flush=True)
+            time.sleep(60)
+        os._exit(0)
+    if pid >= target:
+        os.waitpid(pid, 0)
+        break
+    os.waitpid(pid, 0)
+"""
+
+
+def test_a_live_segment_of_another_pid_namespace_survives_a_sweep_here() -> None:
+    """Containers sharing ``/dev/shm`` (``--ipc=host``) each have their own PID namespace: a
+    live leader's segment there, whose pid is no live process here, is not swept here."""
+    from megastart.loader.shm import sweep_stale
+
+    if subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True).returncode:
+        pytest.skip("this machine does not allow a new PID namespace (unshare)")
+    dead = next(p for p in range(300, 4000) if not Path(f"/proc/{p}").exists())
+    unshare = ["unshare", "--pid", "--fork", "--kill-child"]
+    inner = subprocess.Popen(
+        [*unshare, sys.executable, "-c", _MADE_IN_A_NAMESPACE, str(dead)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    name = "not made"
+    try:
+        assert inner.stdout is not None
+        name = inner.stdout.readline().strip()
+        made_by = creator(name)
+        assert made_by is not None and made_by[1] == dead, name
+        sweep_stale()
+        assert (SHM_DIR / name).exists()
+    finally:
+        inner.kill()
+        inner.wait()
+        (SHM_DIR / name).unlink(missing_ok=True)

@@ -1,0 +1,46 @@
+"""How a wait of the :class:`~megastart.distributed.Board` blocks: in slices, short at first
+and longer once it has waited a while, and polling what costs the store no request."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+POLL_S = 0.1
+"""How long a wait blocks before it looks at the :class:`Board` again, for its first
+:data:`SETTLE_S` seconds (most waits end within them)."""
+
+SETTLE_S = 3.0
+LONG_POLL_S = 1.0
+"""After :data:`SETTLE_S` seconds a wait looks at the board once every this many seconds: a
+leader that waits long (a far bucket) costs the store a request a second, not ten, and a
+failure still reaches it within a second."""
+
+
+def next_slice(started: float, deadline: float) -> float:
+    """How long the next slice of a wait that started at ``started`` may block: :data:`POLL_S`
+    at first, :data:`LONG_POLL_S` after :data:`SETTLE_S`, never past the ``deadline``."""
+    now = time.monotonic()
+    length = POLL_S if now - started < SETTLE_S else LONG_POLL_S
+    return max(0.001, min(length, deadline - now))  # 0 would mean "no timeout" to gloo
+
+
+def polled_locally(condition: Callable[[], bool]) -> Callable[[float], bool]:
+    """A ``ready`` for :meth:`~megastart.distributed.Board.wait` that polls a ``condition`` costing no request (a word
+    of node-shared memory, a name in ``/dev/shm``): every 50 microseconds at first (the peer
+    usually answers at once), then less often, up to every quarter :data:`POLL_S`. The pause
+    carries over from one slice to the next."""
+    pause = 5e-5
+
+    def ready(slice_s: float) -> bool:
+        nonlocal pause
+        deadline = time.monotonic() + slice_s
+        while not condition():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, POLL_S / 4)
+        return True
+
+    return ready
