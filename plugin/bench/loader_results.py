@@ -26,7 +26,9 @@ phases count: 1.2x there."""
 MANY_CORES = 8
 """A machine of more cores than this is a GPU node, for :data:`WARM_VS_MMAP_SLICES`."""
 COLD_VS_STORAGE = 1.05
-"""Cold: the wall time against the storage limit the benchmark measures (one reader)."""
+"""Cold, on a GPU node (CUDA parameters, or more than :data:`MANY_CORES` cores): the wall time
+against the storage limit the benchmark measures (one reader). On a small machine the
+cold target is ``mmap_slices``' time."""
 TRANSIENT_VS_MMAP_SLICES = 0.25
 """Transient node memory against ``mmap_slices``', page-locked staging included."""
 LINK_SHARE = 0.6
@@ -209,7 +211,8 @@ def targets(run: ConditionResult) -> dict[str, Target]:
         many = run.device == "cpu" and (run.machine.cpus or 0) > MANY_CORES
         bound = WARM_VS_MMAP_SLICES["cpu, many cores" if many else run.device] if warm else 1.0
         ratios["wall_vs_mmap_slices"] = (ours.wall_s / mmap_slices.wall_s, "<=", bound)
-    if not warm and limits is not None:
+    gpu_node = run.device == "cuda" or (run.machine.cpus or 0) > MANY_CORES
+    if not warm and limits is not None and gpu_node:
         ratios["wall_vs_storage"] = (ours.wall_s / limits.read_s, "<=", COLD_VS_STORAGE)
     if warm and run.device == "cuda" and run.layout.ranks == 1 and limits is not None:
         share = link_share(run, ours.wall_s)

@@ -13,8 +13,10 @@ Modules, one concern each, in the order a load uses them:
 - ``transport``: the loader's process groups, bucket headers and broadcasts, the read-ahead;
 - ``route``: how buckets reach each rank: the nodes, their leaders, the channels between them;
 - ``shm``: node-shared memory segments (the bucket slots of a node that receives);
-- ``pagecache``: the reader's node copies from the page cache (file mappings, the reader's progress);
-- ``copier``: a rank's copies into its parameters, on a few threads, into CUDA through page-locked chunks;
+- ``pagecache``: the reader's node copies from the page cache (the load's file mappings, the reader's progress);
+- ``staging``: a rank's ring of page-locked chunks into CUDA, filled on its share of the cores;
+- ``registration``: the page cache registered with CUDA, read-only, while the copies run;
+- ``copier``: a rank's copies into its parameters, by the fastest of those routes that applies;
 - ``stream``: the stream phase on one rank (read and send, or receive), applying buckets;
 - ``progress``: the reader's progress bar;
 - ``verify``: every parameter element written once (coverage);

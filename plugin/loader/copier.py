@@ -40,27 +40,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("megastart")
 
 
-def page_lock(tensor: torch.Tensor, what: str) -> None:
-    """Register ``tensor``'s host memory with CUDA (``cudaHostRegister``), so copies to
-    the GPU read it at the link's rate with no staging copy of the driver's."""
-    import torch
-
-    nbytes = tensor.numel() * tensor.element_size()
-    error = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
-    if int(error) != 0:
-        raise RuntimeError(
-            f"cudaHostRegister of {what} ({nbytes} bytes) failed ({error}): raise the "
-            "locked-memory limit (ulimit -l) or lower rank0_loader.bucket_mb"
-        )
-
-
-def page_unlock(tensor: torch.Tensor) -> None:
-    """Undo :func:`page_lock` (the memory stays mapped)."""
-    import torch
-
-    torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
-
-
 class Copier:
     """Copies host pieces into one rank's parameters.
 

@@ -55,6 +55,9 @@ if TYPE_CHECKING:
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 """``madvise`` advice that faults a range in for reading and waits (Linux 5.14 and later)."""
 _DONTNEED = mmap.MADV_DONTNEED
+FAULT_AROUND = 2 << 20
+"""How far beyond a range its faults may have mapped pages, at most: the kernel's fault-around
+(64 KiB by default) or a large folio of the page cache (2 MiB)."""
 
 
 @functools.cache
@@ -139,10 +142,19 @@ class Window:
     def release(self) -> None:
         """Drop the slots' pages from this process's page tables (``MADV_DONTNEED``), keeping
         the mapping and the page cache: a rank's memory then counts a bucket's pages only
-        while it copies them, not every page it touched in the load. Best effort: a range the
-        kernel will not drop (a locked one) stays mapped, which costs memory accounting only."""
-        for _, data, first, end in self._pages():
-            drop_pages(data, first, end - first)
+        while it copies them, not every page it touched in the load. Per file, from the first
+        slot's start to the last one's end, and :data:`FAULT_AROUND` beyond: a fault maps the
+        pages around it too (the other ranks' tensors between and beside this rank's). Best
+        effort: a range the kernel will not drop (a locked one) stays mapped, which costs
+        memory accounting only."""
+        spans: dict[str, tuple[torch.Tensor, int, int]] = {}
+        for entry, data, first, end in self._pages():
+            _, low, high = spans.get(entry.file, (data, first, end))
+            spans[entry.file] = data, min(low, first), max(high, end)
+        for data, low, high in spans.values():
+            low = max(0, low - low % FAULT_AROUND - FAULT_AROUND)
+            high = min(-(-high // FAULT_AROUND) * FAULT_AROUND + FAULT_AROUND, data.numel())
+            drop_pages(data, low, high - low)
 
     def resident_slots(self, slots: Iterable[Slot]) -> tuple[list[Slot], list[Slot]]:
         """``slots`` split into those whose pages were all in the page cache when the load

@@ -27,8 +27,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megastart.loader.copier import page_lock, page_unlock
-
 if TYPE_CHECKING:
     import torch
 
@@ -174,3 +172,24 @@ def _reserve(fd: int, nbytes: int, path: Path) -> None:
             f"({free.f_bavail * free.f_frsize / 2**20:.0f} MiB free in {SHM_DIR}): give the "
             "container more (docker --shm-size, or --ipc=host) or lower rank0_loader.bucket_mb",
         ) from e
+
+
+def page_lock(tensor: torch.Tensor, what: str) -> None:
+    """Register ``tensor``'s host memory with CUDA (``cudaHostRegister``), so copies to
+    the GPU read it at the link's rate with no staging copy of the driver's."""
+    import torch
+
+    nbytes = tensor.numel() * tensor.element_size()
+    error = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+    if int(error) != 0:
+        raise RuntimeError(
+            f"cudaHostRegister of {what} ({nbytes} bytes) failed ({error}): raise the "
+            "locked-memory limit (ulimit -l) or lower rank0_loader.bucket_mb"
+        )
+
+
+def page_unlock(tensor: torch.Tensor) -> None:
+    """Undo :func:`page_lock` (the memory stays mapped)."""
+    import torch
+
+    torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())

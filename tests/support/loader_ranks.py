@@ -575,10 +575,10 @@ def load_seeing_shared_segments(
     files: set[str] = set()
     original = stream.Stream.apply
 
-    def apply_and_look(self: Any, index: int, payload: Any) -> None:
+    def apply_and_look(self: Any, index: int, payload: Any, *slots: Any) -> None:
         segments.update(mapped(PREFIX))
         files.update(os.path.basename(f) for f in mapped(checkpoint))
-        original(self, index, payload)
+        original(self, index, payload, *slots)
 
     stream.Stream.apply = apply_and_look  # type: ignore[method-assign]
     try:
