@@ -69,6 +69,7 @@ def test_export_writes_the_settings_as_plain_strings_and_no_activation():
         "MEGASTART_ENABLED": "true",
         "MEGASTART_BLOCKLIST": "comm_warmup",
         "MEGASTART_TRACE": "false",
+        "MEGASTART_LIBRARY_ADAPTERS": "true",
     }
 
 
