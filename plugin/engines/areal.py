@@ -194,6 +194,7 @@ class ArealAdapter(EngineAdapter):
         """The ``EngineContext`` of one AReaL ``MegatronEngine``."""
         from megatron.core import parallel_state
 
+        bridge_cls = str(getattr(engine, "bridge_cls", ""))
         return self.engine_context(
             model_chunks=unwrap_chunks(list(engine.model)),
             parallel_state=parallel_state,
@@ -202,7 +203,8 @@ class ArealAdapter(EngineAdapter):
             hf_config=getattr(engine, "hf_config", None),
             is_restart=is_restart,
             value_model=bool(engine.config.is_critic),
-            host_dequantises=_DEQUANTISES.get(str(getattr(engine, "bridge_cls", "")), frozenset()),
+            host_dequantises=_DEQUANTISES.get(bridge_cls, frozenset()),
+            hf_bridge=engine.bridge if bridge_cls == "megatron-bridge" else None,
             ddp_config=getattr(engine.model[0], "ddp_config", None),
             extra={"areal_engine": engine},
         )

@@ -27,13 +27,18 @@ def import_megatron_bridge() -> Any:
 
 
 def build(
-    checkpoint: str, layout: dict[str, int], dtype: str = "float32", device: str = "cpu"
+    checkpoint: str,
+    layout: dict[str, int],
+    dtype: str = "float32",
+    device: str = "cpu",
+    bridge: Any = None,
 ) -> tuple[Any, list[Any]]:
-    """The checkpoint's ``AutoBridge`` and this rank's chunks, from Megatron-Bridge's provider:
-    on the CPU with Megatron's local layer spec; on ``"cuda"`` with the provider's own
-    (Transformer Engine's) and grouped-GEMM experts, initialised on the GPU."""
-    bridge_module = import_megatron_bridge()
-    bridge = bridge_module.AutoBridge.from_hf_pretrained(checkpoint)
+    """The checkpoint's ``AutoBridge`` (``bridge``, where the host made it) and this rank's
+    chunks, from Megatron-Bridge's provider: on the CPU with Megatron's local layer spec; on
+    ``"cuda"`` with the provider's own (Transformer Engine's) and grouped-GEMM experts,
+    initialised on the GPU."""
+    if bridge is None:
+        bridge = import_megatron_bridge().AutoBridge.from_hf_pretrained(checkpoint)
     provider = bridge.to_megatron_provider(load_weights=False)
     if device == "cpu":
         provider.transformer_layer_spec = cpu_block_spec

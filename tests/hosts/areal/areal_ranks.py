@@ -28,13 +28,23 @@ EXPERIMENT = SimpleNamespace(experiment_name="megastart-areal", trial_name="t0")
 
 
 def engine_on_cpu(
-    checkpoint: str, *, tp: int, engine_class: type | None = None, critic: bool = False
+    checkpoint: str,
+    *,
+    tp: int,
+    engine_class: type | None = None,
+    critic: bool = False,
+    bridge_type: str = "mbridge",
 ) -> Any:
     """A real (attached) ``MegatronEngine`` on this rank, weights loaded from ``checkpoint``;
-    a ``critic`` gets AReaL's ``ValueHead`` as ``make_mcore_model(is_critic=True)`` gives it."""
+    a ``critic`` gets AReaL's ``ValueHead`` as ``make_mcore_model(is_critic=True)`` gives it.
+
+    ``bridge_type="megatron-bridge"`` (AReaL's ``actor.megatron.bridge_type``): AReaL's own
+    ``_build_hf_mcore_bridge`` makes the engine's ``AutoBridge``, whose provider builds the
+    chunks (on the CPU: :func:`support.bridge_ranks.build`), and AReaL's loader is then the
+    bridge's ``load_hf_weights``."""
     import torch
     from areal.api.alloc_mode import ParallelStrategy
-    from areal.api.cli_args import TrainEngineConfig
+    from areal.api.cli_args import MegatronEngineConfig, TrainEngineConfig
     from areal.engine.megatron_utils.checkpointer import MegatronCheckpointManager
     from transformers import AutoConfig
 
@@ -51,6 +61,7 @@ def engine_on_cpu(
         path=checkpoint,
         dtype="float32",
         is_critic=critic,
+        megatron=MegatronEngineConfig(bridge_type=bridge_type),
     )
     engine = (engine_class or module.MegatronEngine)(config)
     engine.create_process_group(
@@ -58,7 +69,12 @@ def engine_on_cpu(
     )
     engine.hf_config = AutoConfig.from_pretrained(checkpoint)
     engine.device = torch.device("cpu")
-    chunks = build_gpt_chunks(engine.hf_config)
+    if bridge_type == "megatron-bridge":
+        from support.bridge_ranks import build
+
+        _, chunks = build(checkpoint, {"tp": tp}, bridge=engine._build_hf_mcore_bridge())
+    else:
+        chunks = build_gpt_chunks(engine.hf_config)
     if critic:
         from areal.models.mcore.registry import _replace_output_layer_with_value_head
 
