@@ -12,9 +12,20 @@ from __future__ import annotations
 
 import logging
 import os
+from abc import abstractmethod
+from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
-from megastart.engines.base import EngineAdapter, training_device, unwrap_chunks
+import wrapt
+
+from megastart.engines.base import (
+    EngineAdapter,
+    answered_above,
+    hook,
+    training_device,
+    unwrap,
+    unwrap_chunks,
+)
 from megastart.records import EngineContext
 
 log = logging.getLogger("megastart")
@@ -48,6 +59,34 @@ class LibraryAdapter(EngineAdapter):
             ddp_config=getattr(chunks[0], "ddp_config", None) if chunks else None,
             extra={},
         )
+
+
+class RecoverLoadAdapter(LibraryAdapter):
+    """``post_recover_load`` after the library module's ``load_checkpoint`` returned an
+    iteration past zero (a resume, not a fine-tune start or a conversion)."""
+
+    def _attach(self, module: Any) -> None:
+        self._module = module
+        self._load = wrapt.wrap_function_wrapper(module, "load_checkpoint", self._after_load)
+
+    def _detach(self, module: Any) -> None:
+        unwrap(module, "load_checkpoint", self._load)
+
+    def _after_load(self, wrapped: Callable[..., Any], _: Any, args: Any, kwargs: Any) -> Any:
+        result = wrapped(*args, **kwargs)
+        iteration = result[0]
+        if iteration > 0 and not answered_above("post_recover_load"):
+            model, checkpoint = self._resumed(wrapped, args, kwargs)
+            hook(
+                "post_recover_load",
+                engine=self.model_context(model, is_restart=True),
+                checkpoint=checkpoint,
+            )
+        return result
+
+    @abstractmethod
+    def _resumed(self, wrapped: Callable[..., Any], args: Any, kwargs: Any) -> tuple[Any, str]:
+        """The model the call loaded into, and the checkpoint it resumed from."""
 
 
 def served_here(source: Any, library: str) -> str | None:

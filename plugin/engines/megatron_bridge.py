@@ -24,8 +24,8 @@ from typing import Any, ClassVar
 
 import wrapt
 
-from megastart.engines.base import answered_above, argument, hook, load_through_hook, unwrap
-from megastart.engines.library import LibraryAdapter, served_here
+from megastart.engines.base import answered_above, argument, load_through_hook, unwrap
+from megastart.engines.library import LibraryAdapter, RecoverLoadAdapter, served_here
 
 REQUIREMENT = "megatron-bridge>=0.4,<0.7"
 """Megatron-Bridge releases read: 0.4.0 (AReaL 1.0.4's; the same two signatures) and 0.5.1
@@ -83,7 +83,7 @@ class MegatronBridgeAdapter(LibraryAdapter):
         return self.model_context(model, hf_config=hf_config, hf_bridge=bridge)
 
 
-class MegatronBridgeCheckpointAdapter(LibraryAdapter):
+class MegatronBridgeCheckpointAdapter(RecoverLoadAdapter):
     """``post_recover_load`` after Megatron-Bridge's ``load_checkpoint`` resumed training."""
 
     host: ClassVar[str] = "megatron-bridge"
@@ -92,21 +92,7 @@ class MegatronBridgeCheckpointAdapter(LibraryAdapter):
     serves: ClassVar[tuple[str, ...]] = SERVES[:1]
     wraps: ClassVar[dict[str, tuple[str, ...]]] = {"load_checkpoint": ("state", "model")}
 
-    def _attach(self, module: Any) -> None:
-        self._load = wrapt.wrap_function_wrapper(module, "load_checkpoint", self._after_load)
-
-    def _detach(self, module: Any) -> None:
-        unwrap(module, "load_checkpoint", self._load)
-
-    def _after_load(self, wrapped: Callable[..., Any], _: Any, args: Any, kwargs: Any) -> Any:
-        result = wrapped(*args, **kwargs)
-        iteration = result[0]
-        if iteration > 0 and not answered_above("post_recover_load"):
-            state, model = argument(wrapped, args, kwargs, 0), argument(wrapped, args, kwargs, 1)
-            checkpoint = state.cfg.checkpoint
-            hook(
-                "post_recover_load",
-                engine=self.model_context(model, is_restart=True),
-                checkpoint=str(checkpoint.load or checkpoint.pretrained_checkpoint),
-            )
-        return result
+    def _resumed(self, wrapped: Callable[..., Any], args: Any, kwargs: Any) -> tuple[Any, str]:
+        state, model = argument(wrapped, args, kwargs, 0), argument(wrapped, args, kwargs, 1)
+        checkpoint = state.cfg.checkpoint
+        return model, str(checkpoint.load or checkpoint.pretrained_checkpoint)

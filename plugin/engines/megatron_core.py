@@ -28,7 +28,7 @@ import wrapt
 
 from megastart.distributed.world import capturing_cuda_graph, new_world
 from megastart.engines.base import answered_above, argument, before_first_step, hook, unwrap
-from megastart.engines.library import LibraryAdapter
+from megastart.engines.library import LibraryAdapter, RecoverLoadAdapter
 from megastart.requirements import MEGATRON_CORE_TESTED
 
 SCHEDULES = (
@@ -92,7 +92,7 @@ class MegatronCoreStateAdapter(LibraryAdapter):
         return result
 
 
-class MegatronLMCheckpointAdapter(LibraryAdapter):
+class MegatronLMCheckpointAdapter(RecoverLoadAdapter):
     """``post_recover_load`` after Megatron-LM's ``load_checkpoint`` resumed training."""
 
     host: ClassVar[str] = "megatron-lm"  # shipped in megatron-core wheels from 0.19
@@ -103,23 +103,7 @@ class MegatronLMCheckpointAdapter(LibraryAdapter):
         "load_checkpoint": ("ddp_model", "optimizer", "opt_param_scheduler", "load_arg")
     }
 
-    def _attach(self, module: Any) -> None:
-        self._module = module
-        self._load = wrapt.wrap_function_wrapper(module, "load_checkpoint", self._after_load)
-
-    def _detach(self, module: Any) -> None:
-        unwrap(module, "load_checkpoint", self._load)
-
-    def _after_load(self, wrapped: Callable[..., Any], _: Any, args: Any, kwargs: Any) -> Any:
-        result = wrapped(*args, **kwargs)
-        iteration = result[0]
-        if iteration > 0 and not answered_above("post_recover_load"):
-            model = argument(wrapped, args, kwargs, 0)
-            load_arg = argument(wrapped, args, kwargs, 3)
-            checkpoint = getattr(self._module.get_args(), load_arg, None)
-            hook(
-                "post_recover_load",
-                engine=self.model_context(model, is_restart=True),
-                checkpoint=str(checkpoint),
-            )
-        return result
+    def _resumed(self, wrapped: Callable[..., Any], args: Any, kwargs: Any) -> tuple[Any, str]:
+        load_arg = argument(wrapped, args, kwargs, 3)
+        checkpoint = getattr(self._module.get_args(), load_arg, None)
+        return argument(wrapped, args, kwargs, 0), str(checkpoint)
