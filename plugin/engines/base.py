@@ -16,7 +16,8 @@ What every adapter needs once, and finds only here:
 - :func:`unwrap`: the strict pair of ``wrapt.wrap_function_wrapper``;
 - :func:`argument`: a wrapped host method's argument, however it was passed;
 - :meth:`EngineAdapter.settings` and :meth:`EngineAdapter.engine_context`: the
-  one lookup of this process's settings;
+  one lookup of this process's settings (:meth:`EngineAdapter.model_context` where the
+  host hands over only the model);
 - :func:`hook`: a hook call behind the process's one sticky-failure latch
   (:data:`megastart.distributed.sticky.LATCH`);
 - :func:`load_through_hook`: ``on_model_load``, else the host's loader;
@@ -166,6 +167,32 @@ class EngineAdapter(ABC):
             hf_bridge=hf_bridge,
             ddp_config=ddp_config,
             extra=extra,
+        )
+
+    def model_context(
+        self,
+        model: Any,
+        *,
+        hf_config: Any = None,
+        hf_bridge: Any = None,
+        is_restart: bool = False,
+        extra: Mapping[str, Any] | None = None,
+    ) -> EngineContext:
+        """The ``EngineContext`` of ``model`` (a chunk or a list of chunks, wrapped or not in
+        megatron-core's DDP), as a host that hands over only the model gives it."""
+        from megatron.core import parallel_state
+
+        chunks = model if isinstance(model, list) else [model]
+        return self.engine_context(
+            model_chunks=unwrap_chunks(chunks),
+            parallel_state=parallel_state,
+            device=training_device(),
+            dtype=None,
+            hf_config=hf_config,
+            is_restart=is_restart,
+            hf_bridge=hf_bridge,
+            ddp_config=getattr(chunks[0], "ddp_config", None) if chunks else None,
+            extra=extra or {},
         )
 
     @abstractmethod

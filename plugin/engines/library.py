@@ -18,15 +18,7 @@ from typing import Any, ClassVar, Literal
 
 import wrapt
 
-from megastart.engines.base import (
-    EngineAdapter,
-    answered_above,
-    hook,
-    training_device,
-    unwrap,
-    unwrap_chunks,
-)
-from megastart.records import EngineContext
+from megastart.engines.base import EngineAdapter, answered_above, hook, unwrap
 
 log = logging.getLogger("megastart")
 
@@ -35,30 +27,6 @@ class LibraryAdapter(EngineAdapter):
     """An adapter on a library every Megatron host passes through."""
 
     layer: ClassVar[Literal["host", "library"]] = "library"
-
-    def model_context(
-        self,
-        model: Any,
-        *,
-        hf_config: Any = None,
-        hf_bridge: Any = None,
-        is_restart: bool = False,
-    ) -> EngineContext:
-        """The ``EngineContext`` of ``model`` (a chunk or a list of chunks, wrapped or not)."""
-        from megatron.core import parallel_state
-
-        chunks = model if isinstance(model, list) else [model]
-        return self.engine_context(
-            model_chunks=unwrap_chunks(chunks),
-            parallel_state=parallel_state,
-            device=training_device(),
-            dtype=None,
-            hf_config=hf_config,
-            is_restart=is_restart,
-            hf_bridge=hf_bridge,
-            ddp_config=getattr(chunks[0], "ddp_config", None) if chunks else None,
-            extra={},
-        )
 
 
 class RecoverLoadAdapter(LibraryAdapter):

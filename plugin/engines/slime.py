@@ -29,9 +29,7 @@ from megastart.engines.base import (
     EngineAdapter,
     argument,
     load_through_hook,
-    training_device,
     unwrap,
-    unwrap_chunks,
 )
 from megastart.records import EngineContext
 
@@ -61,16 +59,4 @@ class SlimeAdapter(EngineAdapter):
         )
 
     def _context(self, slime_args: Any, model: Any) -> EngineContext:
-        from megatron.core import parallel_state
-
-        chunks = list(model)
-        return self.engine_context(
-            model_chunks=unwrap_chunks(chunks),
-            parallel_state=parallel_state,
-            device=training_device(),
-            dtype=None,
-            hf_config=None,
-            is_restart=False,
-            ddp_config=getattr(chunks[0], "ddp_config", None),
-            extra={"slime_args": slime_args},
-        )
+        return self.model_context(list(model), extra={"slime_args": slime_args})
