@@ -10,7 +10,7 @@ schedule had run when ``pre_first_step`` was called.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -73,28 +73,39 @@ def attached() -> list[str]:
     return sorted(name for name, adapter in adapters().items() if adapter.attached)
 
 
+def theirs_then_ours(
+    recorder: Any, chunks: list[Any], load: Callable[[], object]
+) -> dict[str, Any]:
+    """``load`` into poisoned ``chunks`` once with a host adapter answering above (the library
+    loads itself) and once as a script calls it: both states, and the hooks each reached."""
+    from megastart.engines.base import answering
+
+    poison(chunks)
+    with answering("on_model_load"):
+        load()
+    theirs, calls_theirs = state(chunks), list(recorder.calls)
+    poison(chunks)
+    load()
+    return {
+        "theirs": theirs,
+        "ours": state(chunks),
+        "calls_theirs": calls_theirs,
+        "calls": recorder.calls[len(calls_theirs) :],
+        "attached": attached(),
+    }
+
+
 def bridge_load_hf_weights(checkpoint: str, layout: dict[str, int]) -> dict[str, Any]:
     """``AutoBridge.load_hf_weights`` once with megastart answering above (the bridge's own
     load) and once as a script calls it: both states, and the hooks each load reached."""
-    from megastart.engines.base import answering
     from support.loader_ranks import megatron
 
     with recording() as recorder, megatron(layout):
         import_megatron_bridge()
         bridge, chunks = bridge_build(checkpoint, layout)
-        poison(chunks)
-        with answering("on_model_load"):  # a host adapter above: the bridge loads itself
-            bridge.load_hf_weights(chunks, checkpoint)
-        theirs, calls_theirs = state(chunks), list(recorder.calls)
-        poison(chunks)
-        bridge.load_hf_weights(chunks, checkpoint)
-        return {
-            "theirs": theirs,
-            "ours": state(chunks),
-            "calls_theirs": calls_theirs,
-            "calls": recorder.calls[len(calls_theirs) :],
-            "attached": attached(),
-        }
+        return theirs_then_ours(
+            recorder, chunks, lambda: bridge.load_hf_weights(chunks, checkpoint)
+        )
 
 
 def provider_with_load_weights(checkpoint: str, layout: dict[str, int]) -> dict[str, Any]:
@@ -267,7 +278,6 @@ def mbridge_load_weights(checkpoint: str, layout: dict[str, int]) -> dict[str, A
     (mbridge's own load) and once as a script calls it."""
     import mbridge
 
-    from megastart.engines.base import answering
     from support.loader_ranks import build, megatron
     from support.mbridge_cpu import use_local_spec_in_mbridge
 
@@ -275,16 +285,4 @@ def mbridge_load_weights(checkpoint: str, layout: dict[str, int]) -> dict[str, A
     with recording() as recorder, megatron(layout):
         bridge = mbridge.AutoBridge.from_pretrained(checkpoint, dtype=torch.float32)
         chunks = build(checkpoint)
-        poison(chunks)
-        with answering("on_model_load"):
-            bridge.load_weights(chunks, checkpoint)
-        theirs, calls_theirs = state(chunks), list(recorder.calls)
-        poison(chunks)
-        bridge.load_weights(chunks, checkpoint)
-        return {
-            "theirs": theirs,
-            "ours": state(chunks),
-            "calls_theirs": calls_theirs,
-            "calls": recorder.calls[len(calls_theirs) :],
-            "attached": attached(),
-        }
+        return theirs_then_ours(recorder, chunks, lambda: bridge.load_weights(chunks, checkpoint))
