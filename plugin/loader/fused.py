@@ -111,11 +111,7 @@ class EvenOddGateUp(RowBlocks):
         tp = expert_shard(shard).tp_size
         if tp != 1:
             return [f"gpt-oss's experts load with expert tensor parallelism 1 only (it is {tp})"]
-        if tuple(got) not in (tuple(local), tuple(local[::-1])):
-            return [
-                f"HF tensor {name!r} has shape {list(got)}, expected {list(local)} or its transpose"
-            ]
-        return []
+        return _expect_oriented(name, got, local)
 
     def blocks(
         self, index: int, source: torch.Tensor, rows: Rows, local: Shape, shard: Shard
@@ -132,12 +128,7 @@ class OrientedRowParallel(RowBlocks):
 
     def check(self, hf: Sequence[Named], local: Shape, shard: Shard) -> list[str]:
         ((name, got),) = hf
-        full = (local[0], local[1] * shard.tp_size)
-        if tuple(got) not in (full, full[::-1]):
-            return [
-                f"HF tensor {name!r} has shape {list(got)}, expected {list(full)} or its transpose"
-            ]
-        return []
+        return _expect_oriented(name, got, (local[0], local[1] * shard.tp_size))
 
     def blocks(
         self, index: int, source: torch.Tensor, rows: Rows, local: Shape, shard: Shard
@@ -151,3 +142,11 @@ class OrientedRowParallel(RowBlocks):
 def _oriented(tensor: torch.Tensor, shape: Shape) -> torch.Tensor:
     """``tensor`` as ``shape``: itself, or (a 2-D one stored transposed) a transposed view."""
     return tensor if tuple(tensor.shape) == tuple(shape) else tensor.t()
+
+
+def _expect_oriented(name: str, got: Shape, shape: Shape) -> list[str]:
+    """The problem with HF tensor ``name`` of shape ``got``, unless it is ``shape`` or (2-D)
+    its transpose: what :func:`_oriented` reads."""
+    if tuple(got) in (tuple(shape), tuple(shape[::-1])):
+        return []
+    return [f"HF tensor {name!r} has shape {list(got)}, expected {list(shape)} or its transpose"]
