@@ -33,6 +33,17 @@ ARCHITECTURES = {
 }
 """The ``model_type`` of each supported architecture and its transformers class."""
 
+SMALL_SIZE: dict[str, Any] = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=128,
+)
+"""The size of :func:`small_config`'s models, for tiny checkpoints of other architectures."""
+
 _SHARDS = 4
 """How many files :func:`make_checkpoint` splits a checkpoint into by default."""
 
@@ -47,13 +58,7 @@ def small_config(
     ``overrides`` replace any config field (e.g. ``num_key_value_heads=8``).
     """
     fields: dict[str, Any] = dict(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=128,
+        SMALL_SIZE,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
         dtype="float32",

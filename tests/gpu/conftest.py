@@ -15,21 +15,12 @@ from typing import Any
 import pytest
 import torch
 
+from megastart.harness.checkpoints import SMALL_SIZE
 from megastart.harness.launch import RankPool
 
 HERE = Path(__file__).parent
 
-SMALL = dict(
-    vocab_size=300,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=16,
-    max_position_embeddings=128,
-    dtype="bfloat16",
-)
+SMALL = dict(SMALL_SIZE, head_dim=16, dtype="bfloat16")
 """The size of :func:`megastart.harness.checkpoints.small_config`, for the configs made here."""
 
 BRIDGE_ONLY = {

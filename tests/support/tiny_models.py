@@ -7,15 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-TEXT: dict[str, Any] = dict(
-    vocab_size=300,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    max_position_embeddings=128,
-)
+from megastart.harness.checkpoints import SMALL_SIZE
+
 VISION: dict[str, Any] = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4)
 
 CONFIGS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
@@ -51,7 +44,7 @@ def make_tiny(model_type: str, out_dir: Path, seed: int = 0) -> Path:
     if model_type in TEXT_ONLY:
         architecture, text = TEXT_ONLY[model_type]
         config = AutoConfig.for_model(
-            model_type, architectures=[architecture], **TEXT, **text, dtype="float32"
+            model_type, architectures=[architecture], **SMALL_SIZE, **text, dtype="float32"
         )
         auto: Any = AutoModelForCausalLM
     else:
@@ -59,7 +52,7 @@ def make_tiny(model_type: str, out_dir: Path, seed: int = 0) -> Path:
         config = AutoConfig.for_model(
             model_type,
             architectures=[architecture],
-            text_config={**TEXT, **text},
+            text_config={**SMALL_SIZE, **text},
             vision_config={**VISION, **vision},
             dtype="float32",
         )
