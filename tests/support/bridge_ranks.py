@@ -106,9 +106,6 @@ def bridge_and_megastart(
     """This rank's state after Megatron-Bridge's load and after megastart's, and megastart's
     report (``None``: left to the bridge). ``custom(auto)``: the model bridge both loads go
     through instead of the ``AutoBridge``'s."""
-    from megastart.loader.api import load_for_engine
-    from megastart.records import EngineContext
-
     with megatron(layout):
         bridge, chunks = build(checkpoint, layout, dtype)
         poison(chunks)
@@ -119,18 +116,28 @@ def bridge_and_megastart(
             bridge.load_weights_hf_to_megatron(auto.hf_pretrained, chunks)
         theirs = state(chunks)
         poison(chunks)
-        from megatron.core import parallel_state
-
-        engine = EngineContext(
-            host="test",
-            host_version="0",
-            model_chunks=tuple(chunks),
-            parallel_state=parallel_state,
-            device="cpu",
-            hf_bridge=bridge,
-        )
-        report = load_for_engine(engine, checkpoint)
+        report = load_by_registry(chunks, bridge, checkpoint)
         return theirs, state(chunks), report
+
+
+def load_by_registry(chunks: list[Any], bridge: Any, checkpoint: str, device: str = "cpu") -> Any:
+    """megastart's load of ``chunks`` through ``bridge``'s registry, as verl's and NeMo-RL's
+    hooks call it (``load_for_engine``): its report, ``None`` where it left the load to the
+    bridge."""
+    from megatron.core import parallel_state
+
+    from megastart.loader.api import load_for_engine
+    from megastart.records import EngineContext
+
+    engine = EngineContext(
+        host="test",
+        host_version="0",
+        model_chunks=tuple(chunks),
+        parallel_state=parallel_state,
+        device=device,
+        hf_bridge=bridge,
+    )
+    return load_for_engine(engine, checkpoint)
 
 
 def tables_agree(checkpoint: str, layout: dict[str, int]) -> dict[str, tuple[Any, Any]]:
@@ -160,11 +167,6 @@ def leaves_to_the_bridge(
     host's bridge on TP2: what it returned and the lines this rank logged."""
     import logging
 
-    from megatron.core import parallel_state
-
-    from megastart.loader.api import load_for_engine
-    from megastart.records import EngineContext
-
     lines: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
@@ -172,15 +174,7 @@ def leaves_to_the_bridge(
     try:
         with megatron({"tp": 2}):
             auto, chunks = build(checkpoint, {"tp": 2})
-            engine = EngineContext(
-                host="test",
-                host_version="0",
-                model_chunks=tuple(chunks),
-                parallel_state=parallel_state,
-                device="cpu",
-                hf_bridge=model_bridge(auto),
-            )
-            return load_for_engine(engine, source or checkpoint), lines
+            return load_by_registry(chunks, model_bridge(auto), source or checkpoint), lines
     finally:
         logging.getLogger("megastart").removeHandler(handler)
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from support.bridge_ranks import build as build_by_bridge
-from support.bridge_ranks import poison, state
+from support.bridge_ranks import load_by_registry, poison, state
 from support.loader_ranks import TOKENS, settings
 
 DTYPE = torch.bfloat16
@@ -98,11 +98,7 @@ def bridge_and_megastart(checkpoint: str, device: str, built_in: bool) -> dict[s
     ``load_hf_weights``, by megastart through the bridge's registry (``load_for_engine``, as
     verl's and NeMo-RL's hooks call it) and, with ``built_in``, by ``load_hf_checkpoint`` with
     megastart's own table; what differs from the bridge's load."""
-    from megatron.core import parallel_state
-
     from megastart import load_hf_checkpoint
-    from megastart.loader.api import load_for_engine
-    from megastart.records import EngineContext
 
     with megatron_on(device, {}), logged() as lines:
         bridge, chunks = build_by_bridge(checkpoint, {}, "bfloat16", device)
@@ -110,15 +106,7 @@ def bridge_and_megastart(checkpoint: str, device: str, built_in: bool) -> dict[s
         bridge.load_hf_weights(chunks, checkpoint)
         theirs, nan = state(chunks), left_nan(parameters(chunks))
         poison(chunks)
-        engine = EngineContext(
-            host="test",
-            host_version="0",
-            model_chunks=tuple(chunks),
-            parallel_state=parallel_state,
-            device=device,
-            hf_bridge=bridge,
-        )
-        report = load_for_engine(engine, checkpoint)
+        report = load_by_registry(chunks, bridge, checkpoint, device)
         result: dict[str, Any] = dict(
             te_modules=te_modules(chunks),
             grouped=sum(bool(GROUPED.search(n)) for n in theirs),
