@@ -49,11 +49,16 @@ class FusedExpert(RowBlocks):
     ) -> Iterator[Piece]:
         if not rows.start <= self.expert < rows.stop:
             return iter(())
-        one = source[self.expert - rows.start]
+        return self._expert_pieces(index, source[self.expert - rows.start], local, shard)
+
+    def _expert_pieces(
+        self, index: int, one: torch.Tensor, local: Shape, shard: Shard
+    ) -> Iterator[Piece]:
+        """The pieces of this expert's slice ``one`` of the HF tensor ``index``."""
         return self.inner.blocks(index, one, Rows(0, one.shape[0], one.shape[0]), local, shard)
 
 
-class FusedGatedExpert(RowBlocks):
+class FusedGatedExpert(FusedExpert):
     """Expert ``expert``'s ``linear_fc1`` from a fused gate/up HF tensor
     (``FusedGatedExpertMapping``): ``[E, 2I, H]`` (gate rows, then up rows), ``[E, H, 2I]``
     (the same, stored transposed: read strided) or ``[E, 2, I, H]``; then split over expert
@@ -61,8 +66,7 @@ class FusedGatedExpert(RowBlocks):
     Megatron-Bridge's ``_align_expert_weight_to_shape`` tells it (a square one is as stored)."""
 
     def __init__(self, expert: int) -> None:
-        self.expert = expert
-        self.inner = ExpertTensorParallel(GateUp())
+        super().__init__(expert, ExpertTensorParallel(GateUp()))
 
     def check(self, hf: Sequence[Named], local: Shape, shard: Shard) -> list[str]:
         ((name, got),) = hf
@@ -81,12 +85,9 @@ class FusedGatedExpert(RowBlocks):
             ]
         return []
 
-    def blocks(
-        self, index: int, source: torch.Tensor, rows: Rows, local: Shape, shard: Shard
+    def _expert_pieces(
+        self, index: int, one: torch.Tensor, local: Shape, shard: Shard
     ) -> Iterator[Piece]:
-        if not rows.start <= self.expert < rows.stop:
-            return iter(())
-        one = source[self.expert - rows.start]
         half = self._half(local, shard)
         if one.ndim == len(half) + 1 and one.shape[0] == 2:
             gate, up = (_oriented(one[i], half) for i in (0, 1))
