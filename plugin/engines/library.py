@@ -18,7 +18,8 @@ from typing import Any, ClassVar, Literal
 
 import wrapt
 
-from megastart.engines.base import EngineAdapter, answered_above, hook, unwrap
+from megastart.engines.base import EngineAdapter, answered_above, hook, load_through_hook, unwrap
+from megastart.records import EngineContext
 
 log = logging.getLogger("megastart")
 
@@ -27,6 +28,33 @@ class LibraryAdapter(EngineAdapter):
     """An adapter on a library every Megatron host passes through."""
 
     layer: ClassVar[Literal["host", "library"]] = "library"
+
+    def load_if_served(
+        self,
+        wrapped: Callable[..., Any],
+        args: Any,
+        kwargs: Any,
+        source: Any,
+        *,
+        context: Callable[[Any], EngineContext],
+        model_at: int,
+        loaded: Callable[[Any], Any] = lambda model: None,
+    ) -> Any:
+        """The library's HF loader behind ``on_model_load`` (:func:`load_through_hook`) where
+        megastart can load ``source`` (:func:`served_here`); the library's own load where a
+        host adapter above answers the event, or where megastart cannot."""
+        checkpoint = None if answered_above("on_model_load") else served_here(source, self.host)
+        if checkpoint is None:
+            return wrapped(*args, **kwargs)
+        return load_through_hook(
+            wrapped,
+            args,
+            kwargs,
+            context=context,
+            model_at=model_at,
+            checkpoint=checkpoint,
+            loaded=loaded,
+        )
 
 
 class RecoverLoadAdapter(LibraryAdapter):

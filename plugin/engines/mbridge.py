@@ -15,8 +15,8 @@ from typing import Any, ClassVar
 
 import wrapt
 
-from megastart.engines.base import answered_above, argument, load_through_hook, unwrap
-from megastart.engines.library import LibraryAdapter, served_here
+from megastart.engines.base import argument, unwrap
+from megastart.engines.library import LibraryAdapter
 
 REQUIREMENT = "mbridge>=0.15,<0.16"
 """mbridge releases read and tested (0.15.1, on megatron-core 0.16.1: mbridge builds models
@@ -44,19 +44,9 @@ class MbridgeAdapter(LibraryAdapter):
         unwrap(module.Bridge, "load_weights", self._load)
 
     def _around_load(self, wrapped: Callable[..., Any], bridge: Any, args: Any, kwargs: Any) -> Any:
-        if answered_above("on_model_load"):
-            return wrapped(*args, **kwargs)
-        checkpoint = served_here(argument(wrapped, args, kwargs, 1), self.host)
-        if checkpoint is None:
-            return wrapped(*args, **kwargs)
-        return load_through_hook(
-            wrapped,
-            args,
-            kwargs,
-            context=partial(self._context, bridge),
-            model_at=0,
-            checkpoint=checkpoint,
-        )
+        source = argument(wrapped, args, kwargs, 1)
+        context = partial(self._context, bridge)
+        return self.load_if_served(wrapped, args, kwargs, source, context=context, model_at=0)
 
     def _context(self, bridge: Any, models: Any) -> Any:
         return self.model_context(list(models), hf_config=bridge.hf_config)

@@ -24,8 +24,8 @@ from typing import Any, ClassVar
 
 import wrapt
 
-from megastart.engines.base import answered_above, argument, load_through_hook, unwrap
-from megastart.engines.library import LibraryAdapter, RecoverLoadAdapter, served_here
+from megastart.engines.base import argument, unwrap
+from megastart.engines.library import LibraryAdapter, RecoverLoadAdapter
 
 REQUIREMENT = "megatron-bridge>=0.4,<0.7"
 """Megatron-Bridge releases read: 0.4.0 (AReaL 1.0.4's; the same two signatures) and 0.5.1
@@ -62,19 +62,16 @@ class MegatronBridgeAdapter(LibraryAdapter):
         unwrap(module.MegatronModelBridge, "load_weights_hf_to_megatron", self._load)
 
     def _around_load(self, wrapped: Callable[..., Any], bridge: Any, args: Any, kwargs: Any) -> Any:
-        if answered_above("on_model_load") or argument(wrapped, args, kwargs, 2):
-            return wrapped(*args, **kwargs)  # (a host adapter loads; allowed_mismatched_params)
+        if argument(wrapped, args, kwargs, 2):
+            return wrapped(*args, **kwargs)  # allowed_mismatched_params: the bridge's own load
         hf_pretrained = argument(wrapped, args, kwargs, 0)
-        checkpoint = served_here(getattr(hf_pretrained, "model_name_or_path", None), self.host)
-        if checkpoint is None:
-            return wrapped(*args, **kwargs)
-        return load_through_hook(
+        return self.load_if_served(
             wrapped,
             args,
             kwargs,
+            getattr(hf_pretrained, "model_name_or_path", None),
             context=partial(self._context, bridge, hf_pretrained),
             model_at=1,
-            checkpoint=checkpoint,
             loaded=lambda model: model if isinstance(model, list) else [model],
         )
 
