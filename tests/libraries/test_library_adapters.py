@@ -43,18 +43,28 @@ def same_state(theirs: dict[str, torch.Tensor], ours: dict[str, torch.Tensor]) -
     ]
 
 
+def assert_loaded_as_the_library(runs: list[dict[str, Any]], module: str, host: str) -> None:
+    """Each rank of :func:`support.library_ranks.theirs_then_ours`: the library's own load
+    reached no hook, megastart's reached ``on_model_load`` once (``host``'s adapter on
+    ``module``) and left the state the library's load leaves, bit for bit."""
+    for rank, out in enumerate(runs):
+        assert module in out["attached"]
+        assert out["calls_theirs"] == [], f"rank {rank}: a host adapter above answered the load"
+        assert out["calls"] == [("on_model_load", {"host": host, "report": True})]
+        assert not any(t.isnan().any() for t in out["ours"].values()), f"rank {rank}"
+        assert not same_state(out["theirs"], out["ours"]), f"rank {rank}"
+
+
 @needs_bridge
 def test_auto_bridge_load_hf_weights_is_megastarts_load_bit_for_bit(
     rank_pools: dict[int, RankPool], qwen3: str
 ) -> None:
     from support.library_ranks import bridge_load_hf_weights
 
-    for rank, out in enumerate(rank_pools[2].run(bridge_load_hf_weights, qwen3, {"tp": 2})):
-        assert "megatron.bridge.models.conversion.model_bridge" in out["attached"]
-        assert out["calls_theirs"] == [], f"rank {rank}: a host adapter above answered the load"
-        assert out["calls"] == [("on_model_load", {"host": "megatron-bridge", "report": True})]
-        assert not any(t.isnan().any() for t in out["ours"].values()), f"rank {rank}"
-        assert not same_state(out["theirs"], out["ours"]), f"rank {rank}"
+    runs = rank_pools[2].run(bridge_load_hf_weights, qwen3, {"tp": 2})
+    assert_loaded_as_the_library(
+        runs, "megatron.bridge.models.conversion.model_bridge", "megatron-bridge"
+    )
 
 
 @needs_mbridge
@@ -67,12 +77,8 @@ def test_mbridge_load_weights_is_megastarts_load_bit_for_bit(
 
     # a vocabulary both pad alike (mbridge to a multiple of 128 x TP, megastart's harness its own)
     qwen2 = str(make_checkpoint("qwen2", tmp_path, vocab_size=512))
-    for rank, out in enumerate(rank_pools[2].run(mbridge_load_weights, qwen2, {"tp": 2})):
-        assert "mbridge.core.bridge" in out["attached"]
-        assert out["calls_theirs"] == [], f"rank {rank}: a host adapter above answered the load"
-        assert out["calls"] == [("on_model_load", {"host": "mbridge", "report": True})]
-        assert not any(t.isnan().any() for t in out["ours"].values()), f"rank {rank}"
-        assert not same_state(out["theirs"], out["ours"]), f"rank {rank}"
+    runs = rank_pools[2].run(mbridge_load_weights, qwen2, {"tp": 2})
+    assert_loaded_as_the_library(runs, "mbridge.core.bridge", "mbridge")
 
 
 @needs_bridge
