@@ -8,6 +8,9 @@ with the strategies users have today, in one run, on this machine:
   mmap_slices      every rank mmaps the files and reads only its own slices
                    (AReaL's loader).
 
+and, asked for, Megatron-Bridge's own load (``bridge``), e.g. on a checkpoint with packed
+experts (``--arch qwen3_moe_packed``), where it caches whole fused tensors.
+
 For each: wall seconds, node peak memory (sum over the ranks of their PSS,
 sampled every 20 ms), transient memory (peak minus the steady state after the
 load), and bytes read from the checkpoint files. Also the physical limits of
