@@ -183,12 +183,16 @@ def megastart_route(strategy: str) -> dict[str, Any] | None:
     return MEGASTART_ROUTES[base] | ({"reader": reader} if reader else {})
 
 
-def implementation(strategy: str) -> str:
-    """What ``strategy`` runs, for the report."""
+def implementation(strategy: str, *, packed: bool = False) -> str:
+    """What ``strategy`` runs, for the report (``packed``: on a checkpoint with packed experts,
+    where megastart maps through the bridge's registry)."""
     base, reader = strategy_reader(strategy)
-    if not reader:
-        return IMPLEMENTATIONS[base]
-    return IMPLEMENTATIONS[base].replace("reader=global", f"reader={reader}")
+    text = IMPLEMENTATIONS[base]
+    if reader:
+        text = text.replace("reader=global", f"reader={reader}")
+    if packed and base in MEGASTART_ROUTES and base != "megastart_registry":
+        text += "; mapped through Megatron-Bridge's registry of packed mappings (bench.packed)"
+    return text
 
 
 def _bridge(checkpoint: str) -> Any:
