@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from megastart.bench.packed import bridge_with_packed_experts  # noqa: F401 (the tests' name)
 from megastart.harness.model import cpu_block_spec
 from support.loader_ranks import megatron
 from support.te_stub import STUBS, import_with_te_stub
