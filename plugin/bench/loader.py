@@ -8,6 +8,9 @@ with the strategies users have today, in one run, on this machine:
   mmap_slices      every rank mmaps the files and reads only its own slices
                    (AReaL's loader).
 
+and, asked for, Megatron-Bridge's own load (``bridge``), e.g. on a checkpoint with packed
+experts (``--arch qwen3_moe_packed``), where it caches whole fused tensors.
+
 For each: wall seconds, node peak memory (sum over the ranks of their PSS,
 sampled every 20 ms), transient memory (peak minus the steady state after the
 load), and bytes read from the checkpoint files. Also the physical limits of
@@ -30,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from megastart.bench.baselines import BASELINES
 from megastart.bench.loader_measure import measure
 from megastart.bench.loader_report import render
 from megastart.bench.loader_results import Layout
@@ -39,9 +43,15 @@ log = logging.getLogger("megastart")
 HELP = "megastart's loader against every-rank, stage-reader and mmap-slice loading"
 
 STRATEGIES = ("megastart", "megastart_shm", "every_rank_full", "stage_reader", "mmap_slices")
-OPTIONAL_STRATEGIES = ("megastart_registry", "megastart_staged")
-"""Strategies run only when asked for: ``megastart_registry`` needs Megatron-Bridge;
-``megastart_staged`` differs from ``megastart`` only with ``--device cuda``."""
+OPTIONAL_STRATEGIES = ("megastart_registry", "megastart_staged", "bridge")
+"""Strategies run only when asked for: ``megastart_registry`` and ``bridge`` (Megatron-Bridge's
+own load) need Megatron-Bridge; ``megastart_staged`` differs from ``megastart`` only with
+``--device cuda``."""
+BY_BRIDGE = ("megastart_registry", "bridge")
+PACKED_ARCH = "qwen3_moe_packed"
+"""``--arch``: Qwen3-MoE with its routed experts packed per layer, as Qwen3.5-MoE and
+Qwen3-VL-MoE ship them (:mod:`megastart.bench.packed`); megastart maps it through
+Megatron-Bridge's registry, so only ``megastart`` and ``bridge`` run on it."""
 KNOWN_STRATEGIES = STRATEGIES + OPTIONAL_STRATEGIES
 READERS = ("global", "node", "striped", "auto")
 """The ``rank0_loader.reader`` settings ``--readers`` takes."""
@@ -55,7 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ep", type=int, default=1, help="expert-parallel size (MoE architectures)"
     )
-    parser.add_argument("--arch", default="qwen2", help="model architecture (default: qwen2)")
+    parser.add_argument(
+        "--arch",
+        default="qwen2",
+        help=f"model architecture (default: qwen2); {PACKED_ARCH}: Qwen3-MoE with packed experts "
+        "(gate_up_proj [E, 2I, H] and down_proj [E, H, I] per layer), for --strategies bridge",
+    )
     parser.add_argument(
         "--device",
         choices=("cpu", "cuda"),
@@ -83,6 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=",".join(STRATEGIES),
         help=f"comma-separated subset of {','.join(KNOWN_STRATEGIES)} "
         "(megastart is always run; megastart_registry maps through Megatron-Bridge's registry; "
+        "bridge is Megatron-Bridge's own load_hf_weights; "
         "megastart_staged copies into CUDA through page-locked staging only)",
     )
     parser.add_argument(
@@ -142,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
     ):
         raise SystemExit(f"--ranks-per-node {args.ranks_per_node} must divide --ranks {args.ranks}")
     chosen = _chosen_strategies(args.strategies, args.readers)
+    _check_bridge(chosen, packed=args.checkpoint is None and args.arch == PACKED_ARCH)
     if args.read_gbps is not None and not args.read_gbps > 0:
         raise SystemExit(f"--read-gbps must be a positive number of GB/s, got {args.read_gbps}")
     if args.repeats < 1:
@@ -205,6 +222,26 @@ def _chosen_strategies(text: str, readers: str | None) -> tuple[str, ...]:
     return ours + tuple(n for n in KNOWN_STRATEGIES if n != "megastart" and n in names)
 
 
+def _check_bridge(chosen: tuple[str, ...], *, packed: bool) -> None:
+    """Refuse, before any rank starts, what cannot run: Megatron-Bridge's strategies where it
+    is not installed, the baselines on packed experts (they map with the built-in tables)."""
+    from importlib.util import find_spec
+
+    if packed:
+        baselines = [n for n in chosen if n in BASELINES]
+        if baselines:
+            raise SystemExit(
+                f"--arch {PACKED_ARCH}: {', '.join(baselines)} map with megastart's built-in "
+                f"tables, which read one tensor per expert; choose from megastart,bridge"
+            )
+    if (packed or set(chosen) & set(BY_BRIDGE)) and find_spec("megatron.bridge") is None:
+        wanted = "--arch " + PACKED_ARCH if packed else ", ".join(set(chosen) & set(BY_BRIDGE))
+        raise SystemExit(
+            f"{wanted} needs Megatron-Bridge, which is not installed here "
+            "(pip install megatron-bridge)"
+        )
+
+
 def _names(text: str) -> list[str]:
     return [n.strip() for n in text.split(",") if n.strip()]
 
@@ -213,8 +250,13 @@ def _make_checkpoint(arch: str, size_gb: float, directory: Path) -> Path:
     from megastart.harness.checkpoints import make_checkpoint, scaled_config
 
     start = time.perf_counter()
+    from megastart.bench.packed import pack_experts
+
     path = directory / f"{arch}-{size_gb:g}gb"
-    make_checkpoint(scaled_config(arch, int(size_gb * 1e9)), path)
+    packed = arch == PACKED_ARCH
+    make_checkpoint(scaled_config("qwen3_moe" if packed else arch, int(size_gb * 1e9)), path)
+    if packed:
+        pack_experts(path)
     log.info(
         "generated a %g GB %s checkpoint in %.1f s", size_gb, arch, time.perf_counter() - start
     )

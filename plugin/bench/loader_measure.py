@@ -48,6 +48,7 @@ def measure(
     condition. ``read_gbps`` caps each process's reads of the files."""
     from megastart.bench import limits
     from megastart.bench.baselines import checkpoint_files
+    from megastart.bench.packed import is_packed
     from megastart.loader.checkpoint import read_metadata
 
     meta = read_metadata(checkpoint, allow_pickle=False)
@@ -115,6 +116,7 @@ def measure(
             device=device,
             ranks_per_node=ranks_per_node or layout.ranks,
             read_gbps=read_gbps,
+            packed=is_packed(meta.tensors),
         )
         broadcasts.append(broadcast_s)
         links.append(link_gbps)
@@ -164,6 +166,7 @@ def _measure_strategy(
     device: str,
     ranks_per_node: int,
     read_gbps: float | None,
+    packed: bool,
 ) -> tuple[dict[str, StrategyResult], float, float]:
     """One strategy in a fresh world, so no strategy inherits another's heap or state.
 
@@ -204,7 +207,7 @@ def _measure_strategy(
                 per_rank = pool.run(load)
                 walls.append(max(r["wall_s"] for r in per_rank))
             measured[condition] = StrategyResult(
-                implementation=strategies.implementation(name),
+                implementation=strategies.implementation(name, packed=packed),
                 wall_s=statistics.median(walls),
                 wall_s_runs=walls,
                 checksums=pool.run(strategies.checksum),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from megastart.bench.loader_results import (
     ConditionResult,
+    bucket_bytes,
     link_share,
     megastart_row,
     megastart_rows,
@@ -68,6 +69,16 @@ def render(run: ConditionResult) -> str:
                 f"({sent / run.checkpoint_bytes:.2f}x the checkpoint): "
                 "each bucket once to each other node that needs it."
             )
+    bridge = strategies.get("bridge")
+    if bridge is not None:
+        lines += [
+            "",
+            f"transient memory per node: bridge {bridge.transient_bytes / gb:.3f} GB, "
+            f"{reference} {ours.transient_bytes / gb:.3f} GB "
+            f"({ours.transient_bytes / bucket_bytes(run):.1f} buckets of "
+            f"{bucket_bytes(run) / 2**20:g} MiB); the bridge's is "
+            f"{bridge.transient_bytes / max(ours.transient_bytes, 1):.1f}x megastart's.",
+        ]
     if run.read_gbps:
         lines += [
             "",

@@ -17,6 +17,8 @@ TARGETS = {
     "wall / page-locked host-to-device rate)",
     "striped_vs_global": "megastart[striped]'s wall time <= {bound}x megastart[global]'s",
     "striped_bytes_read": "megastart[striped]'s bytes read = the checkpoint's size",
+    "transient_in_buckets": "megastart's transient node memory <= {bound} buckets "
+    "(rank0_loader.bucket_mb), where the bridge's grows with the tensors it caches",
 }
 
 WARM_VS_MMAP_SLICES = {"cuda": 1.0, "cpu": 1.0, "cpu, many cores": 1.2}
@@ -31,6 +33,8 @@ against the storage limit the benchmark measures (one reader). On a small machin
 cold target is ``mmap_slices``' time."""
 TRANSIENT_VS_MMAP_SLICES = 0.25
 """Transient node memory against ``mmap_slices``', page-locked staging included."""
+TRANSIENT_BUCKETS = 4.0
+"""Transient node memory in buckets, at most: the loader keeps about three in flight."""
 LINK_SHARE = 0.6
 """Warm, one rank on one GPU: checkpoint bytes / wall / the link's rate, at least."""
 
@@ -221,6 +225,9 @@ def targets(run: ConditionResult) -> dict[str, Target]:
     if striped is not None and one is not None and run.ranks_per_node < run.layout.ranks:
         ratios["striped_vs_global"] = (striped.wall_s / one.wall_s, "<=", STRIPED_VS_GLOBAL)
         ratios["striped_bytes_read"] = (striped.bytes_read / run.checkpoint_bytes, "==", 1.0)
+    if "bridge" in strategies:
+        buckets = ours.transient_bytes / bucket_bytes(run)
+        ratios["transient_in_buckets"] = (buckets, "<=", TRANSIENT_BUCKETS)
     out = {}
     for key, (value, op, bound) in ratios.items():
         met = {
@@ -231,6 +238,17 @@ def targets(run: ConditionResult) -> dict[str, Target]:
         what = TARGETS[key].format(bound=f"{bound:g}")
         out[key] = Target(value=value, target=f"{op} {bound:g}", met=met, what=what)
     return out
+
+
+def bucket_bytes(run: ConditionResult) -> float:
+    """megastart's bucket in this run, in bytes (``--bucket-mb``, else the loader's default)."""
+    from megastart.loader.settings import Rank0LoaderSettings
+
+    mb = (
+        run.megastart_settings.get("bucket_mb")
+        or Rank0LoaderSettings.__dataclass_fields__["bucket_mb"].default
+    )
+    return float(mb) * 2**20
 
 
 def link_share(run: ConditionResult, wall_s: float) -> float:

@@ -13,9 +13,15 @@ only how the bytes get from the files to the ranks differs (the baselines:
   staging only, the fallback of the registered page cache).
 * ``megastart_registry``: the same, with the mapping from Megatron-Bridge's registry for the
   checkpoint's architecture (as on verl 0.9's default branch), where Megatron-Bridge imports.
+* ``bridge``: Megatron-Bridge's own load (``AutoBridge.load_hf_weights``), where it imports;
+  its mappings are not megastart's, so its checksum checks both.
 * ``every_rank_full``: every rank holds a private copy of the whole checkpoint.
 * ``stage_reader``: tensor-parallel rank 0 reads its stage, then scatters.
 * ``mmap_slices``: every rank reads only its slices from the mmapped files.
+
+On a checkpoint with packed experts (:mod:`megastart.bench.packed`) every megastart route
+maps through the bridge's registry (the built-in tables read one tensor per expert), and the
+baselines do not run.
 
 ``megastart[R]`` is megastart with ``reader=R`` (``bench loader --readers``). With
 ``--read-gbps`` every strategy's reads of the files are capped per process
@@ -47,6 +53,11 @@ IMPLEMENTATIONS = {
     "megastart_staged": (
         "real: megastart.load_hf_checkpoint with cuda_copy=staged (into CUDA through "
         "page-locked staging chunks only, none of the page cache registered)"
+    ),
+    "bridge": (
+        "real: Megatron-Bridge's AutoBridge.load_hf_weights(chunks, checkpoint) (a packed-experts "
+        "checkpoint: its model bridge with the packed mappings 0.6 gives Qwen3.5-MoE, "
+        "load_weights_hf_to_megatron); bytes read not counted (0)"
     ),
     "every_rank_full": (
         "re-implementation of verl's legacy loader (before verl PR #330 every rank ran "
@@ -126,6 +137,7 @@ def load(
     import torch.distributed as dist
 
     from megastart.bench.limits import ReadCap, megastart_reads_capped
+    from megastart.bench.packed import is_packed
 
     chunks = _STATE["chunks"]
     on_cuda = _STATE["device"] == "cuda"
@@ -133,9 +145,11 @@ def load(
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         gpu_before = torch.cuda.memory_allocated()
-    bridge = _bridge(checkpoint) if strategy == "megastart_registry" else None
-    cap = ReadCap(read_gbps) if read_gbps else None
     routed = megastart_route(strategy)
+    packed = is_packed(_STATE["meta"].tensors)  # megastart's own tables read experts one by one
+    by_bridge = strategy in ("megastart_registry", "bridge") or (routed is not None and packed)
+    bridge = _bridge(checkpoint) if by_bridge else None
+    cap = ReadCap(read_gbps) if read_gbps else None
     dist.barrier()
     start = time.perf_counter()
     between_nodes = 0
@@ -143,6 +157,8 @@ def load(
         with megastart_reads_capped(cap):
             options = megastart_options | routed
             bytes_read, between_nodes = _megastart(chunks, checkpoint, options, bridge)
+    elif strategy == "bridge":
+        bytes_read = _bridge_load(bridge, chunks, checkpoint)
     else:
         bytes_read = BASELINES[strategy](chunks, _STATE["meta"], cap)
     if on_cuda:
@@ -167,22 +183,46 @@ def megastart_route(strategy: str) -> dict[str, Any] | None:
     return MEGASTART_ROUTES[base] | ({"reader": reader} if reader else {})
 
 
-def implementation(strategy: str) -> str:
-    """What ``strategy`` runs, for the report."""
+def implementation(strategy: str, *, packed: bool = False) -> str:
+    """What ``strategy`` runs, for the report (``packed``: on a checkpoint with packed experts,
+    where megastart maps through the bridge's registry)."""
     base, reader = strategy_reader(strategy)
-    if not reader:
-        return IMPLEMENTATIONS[base]
-    return IMPLEMENTATIONS[base].replace("reader=global", f"reader={reader}")
+    text = IMPLEMENTATIONS[base]
+    if reader:
+        text = text.replace("reader=global", f"reader={reader}")
+    if packed and base in MEGASTART_ROUTES and base != "megastart_registry":
+        text += "; mapped through Megatron-Bridge's registry of packed mappings (bench.packed)"
+    return text
 
 
 def _bridge(checkpoint: str) -> Any:
-    """The checkpoint's ``AutoBridge``, made once per process: a host builds its bridge when
-    it builds the model, long before it loads."""
+    """The checkpoint's bridge, made once per process (a host builds its bridge when it builds
+    the model, long before it loads): its ``AutoBridge``, or for packed experts the model
+    bridge with the packed mappings (:mod:`megastart.bench.packed`)."""
     if "bridge" not in _STATE:
-        from megatron.bridge import AutoBridge
+        from megastart.bench.packed import bridge_with_packed_experts, is_packed
 
-        _STATE["bridge"] = AutoBridge.from_hf_pretrained(checkpoint)
+        try:
+            from megatron.bridge import AutoBridge
+        except ImportError as e:
+            raise RuntimeError(
+                f"the bridge and megastart_registry strategies need Megatron-Bridge, and "
+                f"megatron.bridge does not import in this rank process: {e}"
+            ) from e
+        auto = AutoBridge.from_hf_pretrained(checkpoint)
+        packed = is_packed(_STATE["meta"].tensors)
+        _STATE["bridge"] = bridge_with_packed_experts(auto) if packed else auto
+        _STATE["auto_bridge"] = auto
     return _STATE["bridge"]
+
+
+def _bridge_load(bridge: Any, chunks: list[Any], checkpoint: str) -> int:
+    """Megatron-Bridge's own load; its bytes read are not counted (0)."""
+    if bridge is _STATE["auto_bridge"]:
+        bridge.load_hf_weights(chunks, checkpoint)
+    else:
+        bridge.load_weights_hf_to_megatron(_STATE["auto_bridge"].hf_pretrained, chunks)
+    return 0
 
 
 def settle() -> None:

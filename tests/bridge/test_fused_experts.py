@@ -7,7 +7,7 @@ hold them.
 The model is Qwen3-MoE built by the bridge's provider on CPU (sequential experts: grouped ones
 need Transformer Engine, tested on the GPU machine), its checkpoint rewritten from the tensors
 ``transformers``' Qwen3-MoE class holds (:mod:`support.packing`), and the bridge's registry the
-one 0.6 gives Qwen3.5-MoE for packed checkpoints (:func:`support.bridge_ranks.bridge_with_packed_experts`).
+one 0.6 gives Qwen3.5-MoE for packed checkpoints (:func:`megastart.bench.packed.bridge_with_packed_experts`).
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ import torch
 if importlib.util.find_spec("megatron.bridge") is None:  # imported with shims, by the ranks
     pytest.skip("Megatron-Bridge is not installed here", allow_module_level=True)
 
-from support.bridge_ranks import bridge_and_megastart, bridge_with_packed_experts
+from support.bridge_ranks import bridge_and_megastart
 from support.packing import fused_shape, pack_experts
 
+from megastart.bench.packed import bridge_with_packed_experts
 from megastart.harness.checkpoints import make_checkpoint
 from megastart.harness.launch import RankPool
 

@@ -218,37 +218,3 @@ def bridge_with_a_hook_of_its_own(auto: Any) -> Any:
 
 def the_auto_bridges_model_bridge(auto: Any) -> Any:
     return auto._model_bridge
-
-
-def bridge_with_packed_experts(auto: Any) -> Any:
-    """The checkpoint's model bridge with the routed-expert mappings Megatron-Bridge 0.6 gives
-    Qwen3.5-MoE and Qwen3-VL-MoE for packed checkpoints (``_moe_routed_expert_mappings`` with
-    ``experts_packed``): fused tensors into both expert layouts, grouped and sequential."""
-    from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
-    from megatron.bridge.models.conversion.param_mapping import (
-        FusedExpertMapping,
-        FusedGatedExpertMapping,
-    )
-
-    base = auto._model_bridge
-    experts = "decoder.layers.*.mlp.experts"
-    gate_up, down = (
-        "model.layers.*.mlp.experts.gate_up_proj",
-        "model.layers.*.mlp.experts.down_proj",
-    )
-
-    class Bridge(type(base)):  # type: ignore[misc]
-        def mapping_registry(self) -> Any:
-            mappings = super().mapping_registry().get_all_mappings()
-            kept = [m for m in mappings if not m.megatron_param.startswith(experts + ".")]
-            return MegatronMappingRegistry(
-                *kept,
-                FusedGatedExpertMapping(f"{experts}.linear_fc1.weight*", gate_up),
-                FusedExpertMapping(f"{experts}.linear_fc2.weight*", down),
-                FusedGatedExpertMapping(f"{experts}.local_experts.*.linear_fc1.weight", gate_up),
-                FusedExpertMapping(f"{experts}.local_experts.*.linear_fc2.weight", down),
-            )
-
-    bridge = Bridge()
-    bridge.hf_config = base.hf_config
-    return bridge
