@@ -43,9 +43,9 @@ log = logging.getLogger("megastart")
 HELP = "megastart's loader against every-rank, stage-reader and mmap-slice loading"
 
 STRATEGIES = ("megastart", "megastart_shm", "every_rank_full", "stage_reader", "mmap_slices")
-OPTIONAL_STRATEGIES = ("megastart_registry", "megastart_staged", "bridge")
+OPTIONAL_STRATEGIES = ("megastart_registry", "megastart_registered", "bridge")
 """Strategies run only when asked for: ``megastart_registry`` and ``bridge`` (Megatron-Bridge's
-own load) need Megatron-Bridge; ``megastart_staged`` differs from ``megastart`` only with
+own load) need Megatron-Bridge; ``megastart_registered`` differs from ``megastart`` only with
 ``--device cuda``."""
 BY_BRIDGE = ("megastart_registry", "bridge")
 PACKED_ARCH = "qwen3_moe_packed"
@@ -99,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated subset of {','.join(KNOWN_STRATEGIES)} "
         "(megastart is always run; megastart_registry maps through Megatron-Bridge's registry; "
         "bridge is Megatron-Bridge's own load_hf_weights; "
-        "megastart_staged copies into CUDA through page-locked staging only)",
+        "megastart_registered copies into CUDA out of the page cache registered with CUDA)",
     )
     parser.add_argument(
         "--readers",

@@ -9,8 +9,8 @@ only how the bytes get from the files to the ranks differs (the baselines:
 * ``megastart``: :func:`megastart.load_hf_checkpoint` (one reader; its node's ranks take
   their slices from the page cache, other nodes' from shared memory).
 * ``megastart_shm``: the same with ``reader_node=shared_memory`` (shared memory everywhere).
-* ``megastart_staged``: the same with ``cuda_copy=staged`` (into CUDA through page-locked
-  staging only, the fallback of the registered page cache).
+* ``megastart_registered``: the same with ``cuda_copy=registered`` (into CUDA straight out of
+  the page cache registered with CUDA, the rest through the staging ring).
 * ``megastart_registry``: the same, with the mapping from Megatron-Bridge's registry for the
   checkpoint's architecture (as on verl 0.9's default branch), where Megatron-Bridge imports.
 * ``bridge``: Megatron-Bridge's own load (``AutoBridge.load_hf_weights``), where it imports;
@@ -50,9 +50,9 @@ IMPLEMENTATIONS = {
         "real: megastart.load_hf_checkpoint(bridge=AutoBridge.from_hf_pretrained(checkpoint)): "
         "the mapping from Megatron-Bridge's registry, not the built-in table"
     ),
-    "megastart_staged": (
-        "real: megastart.load_hf_checkpoint with cuda_copy=staged (into CUDA through "
-        "page-locked staging chunks only, none of the page cache registered)"
+    "megastart_registered": (
+        "real: megastart.load_hf_checkpoint with cuda_copy=registered (into CUDA straight out "
+        "of the page cache registered with CUDA read-only, the rest through page-locked staging)"
     ),
     "bridge": (
         "real: Megatron-Bridge's AutoBridge.load_hf_weights(chunks, checkpoint) (a packed-experts "
@@ -81,7 +81,7 @@ MEGASTART_ROUTES = {
     "megastart": {},
     "megastart_shm": {"reader_node": "shared_memory"},
     "megastart_registry": {},
-    "megastart_staged": {"cuda_copy": "staged"},
+    "megastart_registered": {"cuda_copy": "registered"},
 }
 """The strategies that are megastart, and the settings each adds to the benchmark's."""
 

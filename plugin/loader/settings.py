@@ -39,13 +39,15 @@ class Rank0LoaderSettings:
     receive into shared memory; ``.bin`` checkpoints, and kernels without
     ``MADV_POPULATE_READ`` (before Linux 5.14), always use shared memory."""
 
-    cuda_copy: Literal["registered", "staged"] = "registered"
+    cuda_copy: Literal["registered", "staged"] = "staged"
     """How a rank of the reader's node copies from the page cache into CUDA parameters
     (:mod:`megastart.loader.copier`): ``registered``, straight out of the page cache, its
     blocks registered with CUDA (read-only) on a thread of their own while the copies run,
     and what is not registered yet through page-locked staging; ``staged``, all through
     page-locked staging chunks filled on the rank's share of the node's cores. A driver
-    that refuses registration gets ``staged``, with one log line."""
+    that refuses registration gets ``staged``, with one log line. ``staged`` is the default
+    until a GPU run has measured the two routes against each other (issue #40: neither has
+    run on a GPU yet, and ``staged`` is the plainer of the two)."""
 
     bucket_mb: float = 32.0
     """Tensors are streamed in buckets of at most this many MiB (a tensor larger than
