@@ -119,5 +119,8 @@ def test_a_refused_registration_falls_back_to_staging_with_one_line_each(
     for rank in loaded:
         assert rank["registered"] == [] and rank["straight_bytes"] == 0
         staging = [line for line in rank["lines"] if "pageable memory" in line]
-        page_cache = [line for line in rank["lines"] if "registered page cache" in line]
+        # the fallback's line, not the rank's summary of its routes (which names both)
+        page_cache = [
+            line for line in rank["lines"] if "instead of the registered page cache" in line
+        ]
         assert len(staging) == 1 and len(page_cache) == 1, rank["lines"]
