@@ -46,8 +46,8 @@ class Rank0LoaderSettings:
     and what is not registered yet through page-locked staging; ``staged``, all through
     page-locked staging chunks filled on the rank's share of the node's cores. A driver
     that refuses registration gets ``staged``, with one log line. ``staged`` is the default
-    until a GPU run has measured the two routes against each other (issue #40: neither has
-    run on a GPU yet, and ``staged`` is the plainer of the two)."""
+    until a GPU run has timed the two routes against each other (issue #40: both load
+    bit-exact on an H100, neither is timed yet; ``staged`` is the plainer of the two)."""
 
     bucket_mb: float = 32.0
     """Tensors are streamed in buckets of at most this many MiB (a tensor larger than
