@@ -70,10 +70,8 @@ def build_gpt_chunks(
     from megatron.core.models.gpt import GPTModel
 
     te = layer_spec == "transformer_engine"
-    if layer_spec != "local" and not te:
-        raise ValueError(
-            f"build_gpt_chunks: layer_spec={layer_spec!r}: 'local' or 'transformer_engine'"
-        )
+    if not te and layer_spec != "local":
+        raise ValueError(f"build_gpt_chunks: {layer_spec=}: 'local' or 'transformer_engine'")
     config = transformer_config(hf_config, dtype=dtype or torch.float32)
     if te:
         grouped = bool(config.num_moe_experts)
