@@ -129,6 +129,9 @@ def verl(session: nox.Session) -> None:
     setuptools' editable finder hides.
     """
     session.install(TORCH)
+    # a reused environment still holds the second step's Megatron-Bridge, which the first
+    # step's megatron-core 0.16.1 cannot import (its tests would run instead of skipping)
+    session.run("python", "-m", "pip", "uninstall", "-y", "-q", "megatron-bridge")
     session.install(VERL, MEGATRON, "uvicorn", "fastapi", "mbridge", "einops", *MODELOPT_NEEDS)
     session.install(".[test,hydra]", "tests/fixtures/verl_probe")
     session.run("pytest", *(session.posargs or ["tests/hosts/verl", "-x", "-q"]))
