@@ -69,7 +69,8 @@ def shared_gpu() -> Iterator[RankPool]:
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """``checkpoint(name)``: the directory of a bf16 checkpoint, made on first use. ``name`` is
-    an architecture of the harness, one of :data:`BRIDGE_ONLY`, ``deepseek_v3_plain_q``
+    an architecture of the harness, one of :data:`BRIDGE_ONLY`, a ``model_type`` of
+    :mod:`support.tiny_models` (float32: Qwen3.5, Qwen3-Next, the VL models...), ``deepseek_v3_plain_q``
     (no ``q_lora_rank``), ``deepseek_v3_routed`` (:data:`ROUTED_SEED`), or
     ``<one of those>_fp8`` (FP8 block-scaled, DeepSeek's blocks, with its dequantisation
     beside it: :func:`reference_of`)."""
@@ -83,8 +84,18 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return get
 
 
+def tiny_model_types() -> set[str]:
+    from support.tiny_models import CONFIGS, TEXT_ONLY
+
+    return {*CONFIGS, *TEXT_ONLY}
+
+
+TINY = tiny_model_types()
+
+
 def make(name: str, out: Path) -> Path:
     from support.quantise import DEEPSEEK_BLOCK, fp8_and_reference
+    from support.tiny_models import make_tiny
     from transformers import AutoConfig
 
     from megastart.harness.checkpoints import make_checkpoint
@@ -92,6 +103,8 @@ def make(name: str, out: Path) -> Path:
     if name.endswith("_fp8"):  # beside it, "reference": its dequantisation (float32)
         directory = make(name.removesuffix("_fp8"), out / "bf16")
         return Path(fp8_and_reference(directory, out, DEEPSEEK_BLOCK)[0])
+    if name in TINY:  # written by transformers' own class (Megatron-Bridge's architectures)
+        return make_tiny(name, out)
     if name in BRIDGE_ONLY:
         model_type, cls, fields = BRIDGE_ONLY[name]
         config = AutoConfig.for_model(model_type, architectures=[cls], **{**SMALL, **fields})

@@ -93,15 +93,19 @@ GROUPED = re.compile(r"experts\.linear_fc[12]\.weight\d+$")
 """A grouped-GEMM expert weight (``TEGroupedMLP``)."""
 
 
-def bridge_and_megastart(checkpoint: str, device: str, built_in: bool) -> dict[str, Any]:
-    """World size 1: the model Megatron-Bridge's provider builds, loaded by the bridge's own
-    ``load_hf_weights``, by megastart through the bridge's registry (``load_for_engine``, as
-    verl's and NeMo-RL's hooks call it) and, with ``built_in``, by ``load_hf_checkpoint`` with
-    megastart's own table; what differs from the bridge's load."""
+def bridge_and_megastart(
+    checkpoint: str, device: str, built_in: bool, layout: dict[str, int] | None = None
+) -> dict[str, Any]:
+    """This rank's model as Megatron-Bridge's provider builds it for ``layout`` (default: world
+    size 1), loaded by the bridge's own ``load_hf_weights``, by megastart through the bridge's
+    registry (``load_for_engine``, as verl's and NeMo-RL's hooks call it) and, with
+    ``built_in``, by ``load_hf_checkpoint`` with megastart's own table; what differs from the
+    bridge's load."""
     from megastart import load_hf_checkpoint
 
-    with megatron_on(device, {}), logged() as lines:
-        bridge, chunks = build_by_bridge(checkpoint, {}, "bfloat16", device)
+    layout = layout or {}
+    with megatron_on(device, layout), logged() as lines:
+        bridge, chunks = build_by_bridge(checkpoint, layout, "bfloat16", device)
         poison(chunks)
         bridge.load_hf_weights(chunks, checkpoint)
         theirs, nan = state(chunks), left_nan(parameters(chunks))

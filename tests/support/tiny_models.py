@@ -11,11 +11,59 @@ from megastart.harness.checkpoints import SMALL_SIZE
 
 VISION: dict[str, Any] = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4)
 
+MOE: dict[str, Any] = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+GATED_DELTA_NET: dict[str, Any] = dict(  # three linear-attention layers, then a full one
+    head_dim=16,
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+)
+"""Qwen3-Next's and Qwen3.5's: the tests' gated delta nets have 4 key and 8 value heads."""
+MROPE: dict[str, Any] = dict(
+    head_dim=16, rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3]}
+)
+
 CONFIGS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "qwen2_5_vl": (
         "Qwen2_5_VLForConditionalGeneration",
         dict(rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]}),
         dict(out_hidden_size=64, fullatt_block_indexes=[1], window_size=56),
+    ),
+    # Transformer Engine's specs only (gated delta nets, fused experts): the GPU suite's
+    "qwen3_5": ("Qwen3_5ForConditionalGeneration", GATED_DELTA_NET, dict(out_hidden_size=64)),
+    "qwen3_5_moe": (
+        "Qwen3_5MoeForConditionalGeneration",
+        dict(GATED_DELTA_NET, **MOE, shared_expert_intermediate_size=32),
+        dict(out_hidden_size=64),
+    ),
+    "qwen3_vl": (
+        "Qwen3VLForConditionalGeneration",
+        MROPE,
+        dict(out_hidden_size=64, deepstack_visual_indexes=[0]),
+    ),
+    "qwen3_vl_moe": (  # experts fused: gate_up_proj [E, H, 2I], down_proj [E, I, H]
+        "Qwen3VLMoeForConditionalGeneration",
+        dict(MROPE, **MOE),
+        dict(out_hidden_size=64, deepstack_visual_indexes=[0]),
+    ),
+    "glm4v_moe": (  # first layer dense, a shared expert, partial rotary
+        "Glm4vMoeForConditionalGeneration",
+        dict(
+            MROPE,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            partial_rotary_factor=0.5,
+            use_qk_norm=False,  # Megatron-Bridge 0.6.2's provider reads it; the config lacks it
+        ),
+        dict(out_hidden_size=64),
     ),
 }
 """Per vision-language ``model_type``: the architecture, and what its text and vision configs
@@ -33,6 +81,31 @@ TEXT_ONLY: dict[str, tuple[str, dict[str, Any]]] = {
             moe_layer_start_index=1,
         ),
     ),
+    # Transformer Engine's specs only: the GPU suite's
+    "qwen3_next": (
+        "Qwen3NextForCausalLM",
+        dict(GATED_DELTA_NET, **MOE, shared_expert_intermediate_size=32, decoder_sparse_step=1),
+    ),
+    "qwen3_5_text": ("Qwen3_5ForCausalLM", GATED_DELTA_NET),
+    "qwen3_5_moe_text": (
+        "Qwen3_5MoeForCausalLM",
+        dict(GATED_DELTA_NET, **MOE, shared_expert_intermediate_size=32),
+    ),
+    "minimax_m2": (  # partial rotary, per-layer QK norms over all heads
+        "MiniMaxM2ForCausalLM",
+        dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, rotary_dim=8),
+    ),
+    "gpt_oss": (  # experts fused, gate and up interleaved by row; sinks; alternating windows
+        "GptOssForCausalLM",
+        dict(
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=64,
+            sliding_window=16,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+        ),
+    ),
 }
 
 
@@ -44,7 +117,7 @@ def make_tiny(model_type: str, out_dir: Path, seed: int = 0) -> Path:
     if model_type in TEXT_ONLY:
         architecture, text = TEXT_ONLY[model_type]
         config = AutoConfig.for_model(
-            model_type, architectures=[architecture], **SMALL_SIZE, **text, dtype="float32"
+            model_type, architectures=[architecture], **{**SMALL_SIZE, **text}, dtype="float32"
         )
         auto: Any = AutoModelForCausalLM
     else:
