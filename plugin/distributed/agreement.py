@@ -71,9 +71,10 @@ def all_or_none(
         )
     except Exception as e:
         here = "" if mine is None else f" failed on rank {dist.get_rank()}: {mine};"
-        raise _unreported(what, here, "the other ranks did not report", waited_s, e, board) from (
-            local or e
-        )
+        error = _unreported(what, here, "the other ranks did not report", waited_s, e, board)
+        if board is not None and local is None:  # the peers still waiting stop with its cause
+            board.announce(error)
+        raise error from (local or e)
     failed = sorted(  # a rank's own error first, then those it made others stop with
         (peer, rank, report) for rank, (report, peer, _) in enumerate(reports) if report is not None
     )

@@ -11,6 +11,7 @@ cold. megastart's megatron-core adapter calls :func:`new_world` after every
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 _lock = threading.Lock()
 _world = 0
@@ -46,3 +47,12 @@ def capturing_cuda_graph() -> bool:
     import torch
 
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def training_device() -> Any:
+    """The device this rank trains on, even while the host has offloaded the parameters."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

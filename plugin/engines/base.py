@@ -42,7 +42,7 @@ from types import ModuleType
 from typing import Any, ClassVar, Literal
 
 from megastart.distributed.sticky import LATCH
-from megastart.distributed.world import OncePerWorld
+from megastart.distributed.world import OncePerWorld, training_device
 from megastart.manager import call_hook, get_settings
 from megastart.records import EngineContext
 from megastart.requirements import Compatibility, check_requirement
@@ -320,12 +320,3 @@ def unwrap_chunks(model: Any) -> list[Any]:
     from megatron.core.utils import unwrap_model
 
     return list(unwrap_model(model if isinstance(model, list) else [model]))
-
-
-def training_device() -> Any:
-    """The device this rank trains on, even while the host has offloaded the parameters."""
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

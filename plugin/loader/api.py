@@ -41,6 +41,7 @@ from megastart.distributed import (
     node_key,
 )
 from megastart.distributed.sticky import LATCH
+from megastart.distributed.world import training_device
 from megastart.loader import pagecache, roles
 from megastart.loader.bridge import Untranslatable
 from megastart.loader.checkpoint import (
@@ -70,8 +71,6 @@ from megastart.loader.verify import Coverage
 from megastart.records import LoadReport
 
 if TYPE_CHECKING:
-    import torch
-
     from megastart.records import EngineContext
 
 log = logging.getLogger("megastart")
@@ -247,7 +246,7 @@ def _load(
         except Untranslatable as e:  # the bridge loads, on every rank: agreed below
             planned.share(RankDemands(node_key(), b"", "", [], False, agreed, str(e)))
         else:
-            device = tensors[next(iter(tensors))].device if tensors else _cpu()
+            device = tensors[next(iter(tensors))].device if tensors else training_device()
             demands = packed([demand for need in needs for demand in need.demands()], meta)
             left = [p.name for p in left_to_host(params, needs)]
             planned.share(
@@ -337,12 +336,6 @@ def _default_settings() -> Rank0LoaderSettings:
     from megastart.manager import get_settings
 
     return get_settings().sections.get(PLUGIN) or Rank0LoaderSettings()
-
-
-def _cpu() -> torch.device:
-    import torch
-
-    return torch.device("cpu")
 
 
 def _rank() -> int:

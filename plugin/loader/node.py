@@ -149,17 +149,17 @@ def node_board(board: Board, members: Sequence[int], *, nodes: int) -> Iterator[
             board.withdraw(key, e)
             board.announce(e)
             raise
-        board.post(key, segment.name)
     else:
         name = board.read(key, f"the page of node leader rank {members[0]}")
         lock = os.open(SHM_DIR / name, os.O_RDWR)  # before the leader removes the name
-        try:
-            segment = Segment.open(name)
-        except BaseException:
-            os.close(lock)
-            raise
-    page = NodeBoard(segment, len(members), index, leader=members[0], lock=lock if index else None)
     try:
+        if index == 0:
+            board.post(key, segment.name)
+        else:
+            segment = Segment.open(name)
+        page = NodeBoard(
+            segment, len(members), index, leader=members[0], lock=lock if index else None
+        )
         with _shared(board, page, segment, members):
             board.attach(page, leaders=nodes)
             try:

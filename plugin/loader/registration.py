@@ -8,7 +8,10 @@ copies them, while the copies run: a copy whose blocks are registered goes
 straight, any other through the staging ring (:mod:`megastart.loader.staging`).
 
 Only pages in the page cache are registered: pinning the others would read them
-from the storage outside the reader, who reads each byte once and owns its errors.
+from the storage outside the reader, who reads each byte once and owns its errors. So
+the route serves warm loads; a block not resident when its turn comes is left to the
+staging ring. Only contiguous pieces in the checkpoint's dtype go straight (a row-parallel
+slice's columns, or a conversion, go through the ring).
 
 Every block registered is unregistered when the load ends, whichever way it ends
 (:meth:`Registrations.close`, from the copier's close). A driver that refuses (a
@@ -42,8 +45,9 @@ BLOCK_BYTES = 64 << 20
 """The unit of registration: each file's mapping in blocks of this size (the last one
 shorter), each registered at most once, so no two registrations overlap."""
 LEAD_BLOCKS = 2
-"""Blocks registered ahead of the last one a copy reached: registering maps a block's pages
-into the process, so the lead bounds what the registration adds to a rank's memory."""
+"""Blocks registered ahead of the last one a copy reached: the lead bounds how far the
+registration runs ahead of the copies. Blocks stay registered (their page-cache pages pinned)
+until the load ends: up to every block holding this rank's rows."""
 REGISTER_PORTABLE = 1
 """``cudaHostRegisterPortable``: pinned for every CUDA context, whichever thread registered."""
 REGISTER_READ_ONLY = 8
@@ -76,7 +80,9 @@ class CudaDriver:
 
     def __init__(self, device: int) -> None:
         self._device = device
-        self._bound: set[int] = set()
+        self._bound = threading.local()
+        """Whether the calling thread has made ``device`` current (a thread's id is reused by
+        the next thread once it ends: a set of ids would skip the new thread's binding)."""
 
     def register(self, address: int, nbytes: int, flags: int) -> int:
         import torch
@@ -93,9 +99,9 @@ class CudaDriver:
     def _bind(self) -> None:
         import torch
 
-        if threading.get_ident() not in self._bound:
+        if not getattr(self._bound, "done", False):
             torch.cuda.set_device(self._device)
-            self._bound.add(threading.get_ident())
+            self._bound.done = True
 
 
 def cuda_driver(device: torch.device) -> Driver:

@@ -169,9 +169,10 @@ def _warmup(
             f"no communicator was touched: {e}"
         ) from e
     with discarding_control():  # the loader's, kept for the process: the warmup makes none
-        control = kept_control(timeout_s=timeout_s)
+        with board.announcing():  # a rank that cannot make or agree stops the others now
+            control = kept_control(timeout_s=timeout_s)
+            _check_same_settings(settings, control)
         phase = partial(all_or_none, timeout_s=timeout_s, control=control, board=board)
-        _check_same_settings(settings, control)
         with phase("comm_warmup: plan"):
             warm = groups.step_groups(parallel_state, model_config, ddp_config)
             steps = ops.plan(
