@@ -152,3 +152,23 @@ def quantise_mxfp4(directory: Path) -> None:
         ],
     }
     config_path.write_text(json.dumps(settings))
+
+
+def int4_packed(weight: torch.Tensor, group: int = 32) -> dict[str, torch.Tensor]:
+    """A 2-D ``weight`` as compressed-tensors' symmetric INT4 ``pack-quantized`` (Kimi-K2.5's
+    routed experts): ``weight_packed`` (``[out, in/8]`` int32, eight codes ``q + 8`` each,
+    the first in the lowest nibble), ``weight_scale`` (bf16 ``[out, in/group]``: each group's
+    largest magnitude / 7) and ``weight_shape``, by suffix after ``.weight``."""
+    rows, columns = weight.shape
+    groups = weight.float().reshape(rows, -1, group)
+    scale = (groups.abs().amax(-1) / 7.0).clamp(min=1e-10).to(torch.bfloat16)
+    codes = (groups / scale.float().unsqueeze(-1)).round().clamp(-8, 7).to(torch.int32) + 8
+    codes = codes.reshape(rows, columns // 8, 8)
+    packed = torch.zeros(rows, columns // 8, dtype=torch.int32)
+    for i in range(8):
+        packed |= codes[..., i] << (4 * i)
+    return {
+        "_packed": packed,
+        "_scale": scale,
+        "_shape": torch.tensor([rows, columns], dtype=torch.int32),
+    }

@@ -99,8 +99,9 @@ def find_quantisation(
     """The checkpoint's quantisation, from ``config.json`` and each tensor's dtype (``torch``
     names) and shape, by tensor name; ``None`` for a checkpoint of plain floating-point weights."""
     dtypes = {name: dtype for name, (dtype, _) in tensors.items()}
+    text = config.get("text_config")  # a multimodal model's (Kimi-K2.5's) may hold it
     for key in _CONFIG_KEYS:
-        section = config.get(key)
+        section = config.get(key) or (text.get(key) if isinstance(text, Mapping) else None)
         if section:
             method = section.get("quant_method") if isinstance(section, Mapping) else None
             found = Quantisation(str(method or "unknown"), f"config.json has {key}")
