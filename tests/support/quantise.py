@@ -117,7 +117,7 @@ def mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight`` (``[..., K]``, ``K`` a multiple of 32) as MXFP4: blocks ``[..., K/32, 16]``
     (two E2M1 codes a byte, the even element in the low nibble) and E8M0 scales
     ``[..., K/32]`` (the exponent that brings each group's largest magnitude to at most 6)."""
-    groups = weight.float().reshape(*weight.shape[:-1], -1, 32)
+    groups = weight.float().contiguous().reshape(*weight.shape[:-1], -1, 32)
     amax = groups.abs().amax(-1).clamp(min=2.0**-126)
     exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
     scaled = groups / torch.exp2(exponent).unsqueeze(-1)
