@@ -11,9 +11,9 @@ one 0.6 gives Qwen3.5-MoE for packed checkpoints (:func:`megastart.bench.packed.
 
 gpt-oss's MXFP4 release (``X_blocks`` / ``X_scales``, made here from a bf16 checkpoint as
 OpenAI's are) loads as its bridge's hook dequantises it, each rank dequantising only its
-experts' rows: into a float32 model, so that the bf16 rounding of the bridge's
-``dequantize_mxfp4`` shows, in 10 KiB buckets, so that each packed tensor travels as row
-blocks of an expert or two while its scales arrive whole before it.
+experts' rows (into a float32 model: the bridge's ``dequantize_mxfp4`` makes bf16, which
+the copy widens), in 10 KiB buckets, so that each packed tensor travels as row blocks of an
+expert or two while its scales arrive whole before it.
 """
 
 from __future__ import annotations
