@@ -111,10 +111,11 @@ def _mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def _int4(packed: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
-    """Megatron-Bridge's ``dequantize_int4`` (bf16), on any rows and whole groups."""
+    """Megatron-Bridge's ``dequantize_int4`` (bf16), on any rows and whole groups (of a
+    multiple of 8 elements: whole words)."""
     import torch
 
-    rows, words = packed.shape
+    *prefix, words = packed.shape
     shifts = torch.arange(8, device=packed.device) * 4
-    values = ((packed.unsqueeze(-1) >> shifts) & 0xF).float().reshape(rows, words * 8) - 8
-    return (values * scales.float().repeat_interleave(group, dim=1)).to(torch.bfloat16)
+    values = ((packed.unsqueeze(-1) >> shifts) & 0xF).float().reshape(*prefix, words * 8) - 8
+    return (values * scales.float().repeat_interleave(group, dim=-1)).to(torch.bfloat16)

@@ -152,7 +152,7 @@ def _packed_groups(
     """``found`` as :data:`MXFP4` (``quant_method: mxfp4``: every ``X_blocks`` uint8
     ``[..., G, 16]`` with uint8 ``X_scales`` ``[..., G]``) or :data:`INT4` (compressed-tensors'
     ``pack-quantized``: every ``X_packed`` int32 ``[out, in / 8]`` with ``X_scale``
-    ``[out, G]``, ``G`` dividing ``in``, and ``X_shape``), where every tensor that is not
+    ``[out, G]``, ``in / G`` a multiple of 8, and ``X_shape``), where every tensor that is not
     floating point is one of those; ``None`` where anything else shows."""
     if found.method == MXFP4:
         packing = MXFP4
@@ -198,6 +198,7 @@ def _groups_fit(
         and shape[0] == scale[0]
         and scale[1] > 0
         and shape[1] * 8 % scale[1] == 0
+        and shape[1] * 8 // scale[1] % 8 == 0  # a group is whole int32 words
     )
 
 
