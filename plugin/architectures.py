@@ -103,6 +103,15 @@ def predict(checkpoint: str) -> dict[str, Any]:
         out["quantisation"] = (
             f"{quantisation.method} ({quantisation.evidence}): dequantised by megastart"
         )
+    elif quantisation.packing:
+        from megastart.loader.bridge import PACKED_HOOKS
+
+        bridge = PACKED_HOOKS[quantisation.packing].partition(".")[0]
+        out["quantisation"] = (
+            f"{quantisation.method} ({quantisation.evidence}): dequantised by megastart where "
+            f"the host's Megatron-Bridge is {bridge}; otherwise refused, or left to a host "
+            "that dequantises it"
+        )
     else:
         out["quantisation"] = (
             f"{quantisation.method} ({quantisation.evidence}): refused, or left to a host that "

@@ -43,7 +43,7 @@ from megastart.distributed import (
 from megastart.distributed.sticky import LATCH
 from megastart.distributed.world import training_device
 from megastart.loader import pagecache, roles
-from megastart.loader.bridge import Untranslatable
+from megastart.loader.bridge import Untranslatable, dequantises
 from megastart.loader.checkpoint import (
     CheckpointMeta,
     QuantisedCheckpoint,
@@ -234,7 +234,7 @@ def _load(
         )
     table = None if bridge is not None else mapping_table(meta)
     quantisation = meta.quantisation
-    if quantisation is not None and quantisation.weight_block is None:
+    if quantisation is not None and not dequantises(quantisation, bridge):
         # never cast without the scales, whatever strict says
         raise quantisation.refusal(checkpoint)
 

@@ -29,6 +29,7 @@ from typing import Any
 from megastart.errors import PlanError
 from megastart.loader.archs.table import MappingTable, Rule
 from megastart.loader.bridge_layouts import CONFIGURED, configured, gated_qkv, zero_centred
+from megastart.loader.checkpoint.quantised import INT4, MXFP4, PACKED_SUFFIXES, Quantisation
 
 TRANSLATED = {
     "AutoMapping": "",  # the parallelism of the module: column, row or replicated
@@ -58,9 +59,30 @@ REPRODUCED_HOOKS = {
     "DeepSeekV3Bridge.maybe_modify_loaded_hf_weight",
     # the same helper (quantization_utils.maybe_dequantize_fp8_blockwise), 128x128 blocks
     "MiniMaxM2Bridge.maybe_modify_loaded_hf_weight",
+    # returns each weight as loaded, an INT4 one dequantised as megastart does (PACKED_HOOKS)
+    "KimiK25VLBridge.maybe_modify_loaded_hf_weight",
 }
 """``maybe_modify_loaded_hf_weight`` implementations (by qualified name) whose result
 megastart's own load equals."""
+
+
+PACKED_HOOKS = {
+    MXFP4: "GPTOSSBridge.maybe_modify_loaded_hf_weight",  # dequantize_mxfp4 of X_blocks
+    INT4: "KimiK25VLBridge.maybe_modify_loaded_hf_weight",  # dequantize_int4 of X.weight_packed
+}
+"""Per packing (:mod:`megastart.loader.unpack`), the hook that dequantises it: where the host's
+bridge has it, megastart dequantises each rank's slices as the hook does the whole tensor."""
+
+
+def dequantises(quantisation: Quantisation, bridge: Any) -> bool:
+    """Whether megastart dequantises this quantised checkpoint on this load: FP8 block-scaled
+    always; a packed one where the host's bridge's hook dequantises it (:data:`PACKED_HOOKS`)."""
+    if quantisation.weight_block is not None:
+        return True
+    if not quantisation.packing or bridge is None:
+        return False
+    hook = type(model_bridge(bridge)).maybe_modify_loaded_hf_weight.__qualname__
+    return hook == PACKED_HOOKS[quantisation.packing]
 
 
 class Untranslatable(PlanError):
@@ -102,8 +124,8 @@ HOOK_TRANSFORMS = {
     # swaps the column halves of MTP's input_proj.weight, returns the rest as loaded
     "MimoBridge.maybe_modify_loaded_hf_weight": (".input_proj.weight", "swapped_halves"),
     # transposes bf16 experts' down_proj to [E, H, I]: the down transform orients by shape
-    # as the hook does (an MXFP4 release, which the hook dequantises, is refused before
-    # any mapping is read: the host loads it)
+    # as the hook does; an MXFP4 one, dequantised [E, H, I] by the hook (PACKED_HOOKS), it
+    # leaves as it is, and so does megastart
     "GPTOSSBridge.maybe_modify_loaded_hf_weight": (".mlp.experts.down_proj", "oriented"),
 }
 """Hooks that change some weights in a way one transform reproduces: the HF name's suffix
@@ -252,7 +274,8 @@ def _rule(
         type(bridge).maybe_modify_loaded_hf_weight.__qualname__, ("", "")
     )
     if wrapper == "oriented" and isinstance(hf, str) and hf.endswith(suffix):
-        transform = transform.replace("expert_row_parallel", "expert_oriented_row_parallel")
+        if stored(hf + PACKED_SUFFIXES[MXFP4][0]) is None:  # not MXFP4 (X_blocks)
+            transform = transform.replace("expert_row_parallel", "expert_oriented_row_parallel")
     elif wrapper and isinstance(hf, str) and hf.endswith(suffix):
         transform = f"{wrapper}:{transform}"
     if kind == "RMSNorm2ZeroCenteredRMSNormMapping":

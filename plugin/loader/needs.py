@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megastart.errors import PlanError
-from megastart.loader.checkpoint import SCALE_SUFFIX, CheckpointMeta
+from megastart.loader.checkpoint import CheckpointMeta, logical_shape
 from megastart.loader.mappings import VALUE_HEAD, VALUE_MODEL_UNCHECKED, MappingTable
 from megastart.loader.transforms import TRANSFORMS, Shard
 
@@ -48,8 +48,8 @@ class Need:
     hf: tuple[str, ...]
     transform: str
     scales: tuple[str, ...] = ()
-    """Per input of ``hf``, its FP8 block scales (``""``: none); empty where no input has any
-    (:mod:`megastart.loader.dequantise`)."""
+    """Per input of ``hf``, its scales (``""``: none); empty where no input has any
+    (:mod:`megastart.loader.dequantise`, :mod:`megastart.loader.unpack`)."""
 
     @property
     def inputs(self) -> tuple[str, ...]:
@@ -150,7 +150,8 @@ def resolve_needs(
             continue
         rule, fields = matched
         hf = table.hf_names(rule, fields, tied=tied)
-        missing = [n for n in hf if n not in meta.tensors]
+        stored = tuple(stored_name(n, meta) for n in hf)
+        missing = [n for n, s in zip(hf, stored, strict=True) if s not in meta.tensors]
         if missing:
             reward = [n for n in table.value_head_sources if n in meta.tensors and n not in hf]
             hint = f" (it holds a reward head {reward}: load a value model)" if reward else ""
@@ -159,27 +160,44 @@ def resolve_needs(
                 f"needed by {param.describe()}"
             )
             continue
-        named = [(n, meta.tensors[n].shape) for n in hf]
+        named = [(n, _shape(s, meta)) for n, s in zip(hf, stored, strict=True)]
         for problem in TRANSFORMS[rule.transform].check(named, param.shape, shard):
             problems.append(
                 f"shape mismatch: {problem} for {param.describe()} "
                 f"(tensor-parallel rank {shard.tp_rank} of {shard.tp_size})"
             )
-        needs.append(Need(param, hf, rule.transform, _scales(hf, meta)))
+        needs.append(Need(param, stored, rule.transform, _scales(stored, meta)))
     if problems:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
         raise PlanError("; ".join(problems[:5]) + more)
     return needs
 
 
+def stored_name(name: str, meta: CheckpointMeta) -> str:
+    """The checkpoint tensor that holds HF tensor ``name``: itself, or in a packed checkpoint
+    (:data:`~megastart.loader.checkpoint.quantised.MXFP4`, ``INT4``) its packed values where
+    the name is not stored as it is."""
+    quantisation = meta.quantisation
+    if quantisation is None or not quantisation.packing or name in meta.tensors:
+        return name
+    return name + quantisation.suffixes[0]
+
+
+def _shape(stored: str, meta: CheckpointMeta) -> tuple[int, ...]:
+    """The shape of a stored tensor as its mapping sees it: a packed one's once unpacked."""
+    quantisation, shape = meta.quantisation, tuple(meta.tensors[stored].shape)
+    if quantisation is not None and quantisation.packing and quantisation.scale_of(stored, ""):
+        return logical_shape(quantisation.packing, shape)
+    return shape
+
+
 def _scales(hf: tuple[str, ...], meta: CheckpointMeta) -> tuple[str, ...]:
-    """The block scales of each of ``hf`` in a checkpoint the loader dequantises (``""``: a
+    """The scales of each of ``hf`` in a checkpoint the loader dequantises (``""``: a
     tensor without), or ``()`` where none has any."""
-    if meta.quantisation is None or meta.quantisation.weight_block is None:
+    quantisation = meta.quantisation
+    if quantisation is None or (quantisation.weight_block is None and not quantisation.packing):
         return ()
-    scales = tuple(
-        n + SCALE_SUFFIX if meta.tensors[n].dtype.startswith("float8") else "" for n in hf
-    )
+    scales = tuple(quantisation.scale_of(n, meta.tensors[n].dtype) for n in hf)
     return scales if any(scales) else ()
 
 
@@ -209,5 +227,5 @@ Demand = tuple[tuple[str, ...], str]
 (the parameter's, or :data:`AS_STORED`)."""
 
 AS_STORED = "stored"
-"""A demand's dtype for tensors that travel as the checkpoint stores them (FP8 weights and
-their scales, which the receiving rank dequantises)."""
+"""A demand's dtype for tensors that travel as the checkpoint stores them (quantised weights
+and their scales, which the receiving rank dequantises)."""

@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING, Any
 from megastart.distributed import Board, CollectiveError, polled_locally
 from megastart.loader.checkpoint import (
     ITEMSIZE,
-    SCALE_SUFFIX,
     CheckpointMeta,
     TensorEntry,
     TensorReader,
@@ -162,15 +161,19 @@ class Window:
         reader reads."""
         here: list[Slot] = []
         not_yet: list[Slot] = []
+        waiting: set[str] = set()
         for slot in slots:
             entry = self.entries[slot.name]
             cached = entry.end <= entry.start or self.mappings.were_resident(
                 entry.file, entry.start, entry.end
             )
-            # an FP8 weight is dequantised with its scales: it waits with them
-            if slot.name + SCALE_SUFFIX in {s.name for s in not_yet}:
+            # a quantised weight is dequantised with its scales: it waits with them
+            quantisation = self.mappings.meta.quantisation
+            if quantisation and quantisation.scale_of(slot.name, entry.dtype) in waiting:
                 cached = False
             (here if cached else not_yet).append(slot)
+            if not cached:
+                waiting.add(slot.name)
         return here, not_yet
 
     def populate(self, reader: TensorReader, pool: Executor, part_bytes: int) -> None:

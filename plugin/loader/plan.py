@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from megastart.loader.checkpoint import ITEMSIZE, SCALE_SUFFIX, CheckpointMeta, TensorEntry
+from megastart.loader.checkpoint import ITEMSIZE, CheckpointMeta, TensorEntry
 from megastart.loader.mappings import MappingTable
 from megastart.loader.needs import AS_STORED, Demand
 from megastart.loader.transforms import Rows
@@ -229,10 +229,11 @@ def _row_blocks(entry: TensorEntry, itemsize: int, bucket_bytes: int) -> list[Ro
 
 
 def _stream_order(meta: CheckpointMeta, entry: TensorEntry) -> tuple[str, int, int, str]:
-    """By file and offset; an FP8 weight's scales just before it (its receivers
+    """By file and offset; a quantised weight's scales just before it (its receivers
     dequantise each of its rows as they arrive)."""
-    weight = meta.tensors.get(entry.name.removesuffix(SCALE_SUFFIX))
-    if entry.name.endswith(SCALE_SUFFIX) and weight is not None:
+    name = meta.quantisation.weight_of(entry.name) if meta.quantisation else None
+    weight = meta.tensors.get(name) if name is not None else None
+    if weight is not None:
         return weight.file, weight.start, 0, entry.name
     return entry.file, entry.start, 1, entry.name
 

@@ -32,8 +32,9 @@ from megastart.loader.pagecache import FileMappings, Frontier
 from megastart.loader.plan import Bucket, Plan, Slot
 from megastart.loader.route import Route
 from megastart.loader.shm import Segment
-from megastart.loader.transforms import TRANSFORMS, Shard
+from megastart.loader.transforms import TRANSFORMS, Rows, Shard
 from megastart.loader.transport import IN_FLIGHT, Channel, slot_view
+from megastart.loader.unpack import Packed
 from megastart.loader.verify import Coverage
 
 if TYPE_CHECKING:
@@ -70,7 +71,9 @@ class Stream:
             for index, name in enumerate(need.inputs):
                 self.consumers.setdefault(name, []).append((need, index))
         self.scales: dict[str, torch.Tensor] = {}
-        """FP8 block scales received so far, by name (each arrives before its weight)."""
+        """Scales received so far, by name (each arrives before its weight)."""
+        self._rows_left: dict[str, int] = {}
+        """Per scales held, the rows of their weight not yet applied here."""
         self.local = route.local_buckets(plan)
         """The buckets announced inside this rank's node, in order."""
         self._announced = 0
@@ -198,16 +201,14 @@ class Stream:
         with torch.no_grad(), self.copier.batch():
             for slot in self.plan.buckets[index].slots if slots is None else slots:
                 for need, input_index in self.consumers.get(slot.name, ()):
-                    if input_index >= len(need.hf):  # an FP8 weight's scales: kept for it
+                    if input_index >= len(need.hf):  # a quantised weight's scales: kept for it
                         self._keep_scale(slot, source.view(slot))
                         continue
                     param = self.tensors[(need.param.chunk, need.param.local_name)]
                     held: Any = source.view(slot)
                     scale = need.scales[input_index] if need.scales else ""
                     if scale:
-                        held = BlockScaled(
-                            held, self.scales[scale], self.block, param.dtype, slot.rows.start
-                        )
+                        held = self._quantised(held, scale, param.dtype, slot.rows)
                     for first, stop, piece in TRANSFORMS[need.transform].blocks(
                         input_index, held, slot.rows, need.param.shape, self.shard
                     ):
@@ -217,13 +218,18 @@ class Stream:
                             locked = source.page_locked
                         self.copier.copy(param.data[first:stop], piece, locked)
                         self.coverage.record(need.param, first, stop)
+                self._release_scale(slot)
 
-    @property
-    def block(self) -> tuple[int, int]:
-        """The checkpoint's FP8 scale block (rows, columns)."""
+    def _quantised(self, held: torch.Tensor, scale: str, dtype: torch.dtype, rows: Rows) -> Any:
+        """Rows ``rows`` of a quantised weight, held as stored, with their scales: dequantised
+        piece by piece as the transform takes them."""
         quantisation = self.meta.quantisation
-        assert quantisation is not None and quantisation.weight_block is not None
-        return quantisation.weight_block
+        assert quantisation is not None
+        scales = self.scales[scale]
+        if quantisation.packing:
+            return Packed.whole(held, scales[rows.start : rows.stop], quantisation.packing)
+        assert quantisation.weight_block is not None
+        return BlockScaled(held, scales, quantisation.weight_block, dtype, rows.start)
 
     def _keep_scale(self, slot: Slot, rows: torch.Tensor) -> None:
         import torch
@@ -231,8 +237,23 @@ class Stream:
         scale = self.scales.get(slot.name)
         if scale is None:
             shape = self.meta.tensors[slot.name].shape
-            scale = self.scales[slot.name] = torch.empty(shape, dtype=torch.float32)
+            scale = self.scales[slot.name] = torch.empty(shape, dtype=rows.dtype)
+            quantisation = self.meta.quantisation
+            weight = quantisation.weight_of(slot.name) if quantisation else None
+            if weight is not None and self.meta.tensors[weight].shape:
+                self._rows_left[slot.name] = self.meta.tensors[weight].shape[0]
         scale[slot.rows.start : slot.rows.stop] = rows
+
+    def _release_scale(self, slot: Slot) -> None:
+        """Forget a weight's scales once all of its rows were applied here."""
+        quantisation = self.meta.quantisation
+        if quantisation is None:
+            return
+        scale = quantisation.scale_of(slot.name, self.meta.tensors[slot.name].dtype)
+        if scale in self._rows_left:
+            self._rows_left[scale] -= slot.rows.stop - slot.rows.start
+            if self._rows_left[scale] <= 0:
+                del self._rows_left[scale], self.scales[scale]
 
 
 class Source(Protocol):

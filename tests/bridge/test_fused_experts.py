@@ -8,6 +8,12 @@ The model is Qwen3-MoE built by the bridge's provider on CPU (sequential experts
 need Transformer Engine, tested on the GPU machine), its checkpoint rewritten from the tensors
 ``transformers``' Qwen3-MoE class holds (:mod:`support.packing`), and the bridge's registry the
 one 0.6 gives Qwen3.5-MoE for packed checkpoints (:func:`megastart.bench.packed.bridge_with_packed_experts`).
+
+gpt-oss's MXFP4 release (``X_blocks`` / ``X_scales``, made here from a bf16 checkpoint as
+OpenAI's are) loads as its bridge's hook dequantises it, each rank dequantising only its
+experts' rows (into a float32 model: the bridge's ``dequantize_mxfp4`` makes bf16, which
+the copy widens), in 10 KiB buckets, so that each packed tensor travels as row blocks of an
+expert or two while its scales arrive whole before it.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ if importlib.util.find_spec("megatron.bridge") is None:  # imported with shims, 
 
 from support.bridge_ranks import bridge_and_megastart
 from support.packing import fused_shape, pack_experts
+from support.quantise import quantise_mxfp4
 
 from megastart.bench.packed import bridge_with_packed_experts
 from megastart.harness.checkpoints import make_checkpoint
@@ -68,3 +75,52 @@ def test_fused_experts_load_as_megatron_bridge_loads_them(
         for name in theirs:
             same = torch.equal(theirs[name].nan_to_num(7.0), ours[name].nan_to_num(7.0))
             assert same, f"rank {rank}: {name} differs from the bridge's load"
+
+
+GPT_OSS = dict(
+    hidden_size=64,
+    intermediate_size=96,  # not square: a down_proj left transposed would not fit
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    vocab_size=256,
+    sliding_window=8,
+    max_position_embeddings=128,
+)
+
+
+def test_gpt_oss_mxfp4_release_loads_as_its_bridge_dequantises_it(
+    rank_pools: dict[int, RankPool], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """TP2 for attention, EP2 for the experts (expert TP 1, the only one gpt-oss's bridge
+    loads)."""
+    from transformers import GptOssConfig
+
+    config = GptOssConfig(**GPT_OSS, architectures=["GptOssForCausalLM"], dtype="bfloat16")
+    directory = Path(make_checkpoint(config, tmp_path_factory.mktemp("mxfp4")))
+    quantise_mxfp4(directory)
+    layout = {"tp": 2, "ep": 2, "etp": 1}
+    for rank, (theirs, ours, report) in enumerate(
+        rank_pools[2].run(bridge_and_megastart, str(directory), layout, "float32", None, 0.01)
+    ):
+        assert report is not None, f"rank {rank}: megastart left the load to the bridge"
+        assert any(name.endswith("_blocks") for name in _read(report, directory))
+        experts = [n for n in theirs if ".experts." in n]
+        assert experts and all(not theirs[n].isnan().any() for n in experts), (
+            f"rank {rank}: the bridge left experts unloaded"
+        )
+        for name in theirs:
+            same = torch.equal(theirs[name].nan_to_num(7.0), ours[name].nan_to_num(7.0))
+            assert same, f"rank {rank}: {name} differs from the bridge's load"
+
+
+def _read(report: object, directory: Path) -> list[str]:
+    """The checkpoint's tensors, where the report counts every one of them read."""
+    import json
+
+    names = list(json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"])
+    assert getattr(report, "tensors", None) == len(names), (report, len(names))
+    return names

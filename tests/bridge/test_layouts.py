@@ -4,7 +4,9 @@ places, from row blocks of the HF tensors, exactly what the mapping's ``hf_to_me
 merges and scatters, on each of two TP ranks.
 
 On tensors only: these layers' specs are Transformer Engine's (and Mamba's mixer needs
-mamba-ssm), so no model is built here; the GPU machine runs the models.
+mamba-ssm), so no model is built here; the GPU machine runs the models. So are Kimi-K2.5's
+INT4 experts (compressed-tensors' ``pack-quantized``), whose model no machine here builds: its
+vision tower is the hub's remote code.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from support.layout_ranks import (
     mimo_input_proj,
     theirs_and_ours,
 )
+from support.quantised_ranks import kimi_k25_int4_expert
 
 from megastart.harness.launch import RankPool
 
@@ -115,4 +118,18 @@ def test_gpt_oss_experts_load_as_its_bridge_loads_bf16_releases(
     for rank, loaded in enumerate(rank_pools[2].run(gpt_oss_experts, intermediate)):
         for theirs, ours, name in loaded:
             assert name.startswith("fused_expert:3:"), name
+            assert torch.equal(theirs, ours), f"rank {rank}: {name} differs"
+
+
+@pytest.mark.parametrize("intermediate", [64, 96], ids=["groups_split_evenly", "a_group_split"])
+def test_kimi_k25_int4_experts_load_as_its_bridge_dequantises_them(
+    rank_pools: dict[int, RankPool], intermediate: int
+) -> None:
+    """On tensors (no model: Kimi-K2.5's vision tower is the hub's remote code), expert TP 2:
+    ``linear_fc1``'s rows and ``linear_fc2``'s columns of each rank; with 96 columns a rank's
+    half of ``down_proj`` starts inside a group of 32 and inside a packed word."""
+    for rank, loaded in enumerate(rank_pools[2].run(kimi_k25_int4_expert, intermediate)):
+        for theirs, ours, name in loaded:
+            assert name.startswith("expert_"), name
+            assert not ours.isnan().any(), f"rank {rank}: rows left unplaced by {name}"
             assert torch.equal(theirs, ours), f"rank {rank}: {name} differs"

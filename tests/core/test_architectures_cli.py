@@ -57,3 +57,24 @@ def test_predicts_a_checkpoint_plain_fp8_and_unknown(deepseek: Path, tmp_path: P
     config["architectures"] = ["Qwen3NextForCausalLM"]
     (unknown / "config.json").write_text(json.dumps(config))
     assert "built-in table: none: left to the host" in architectures(str(unknown))
+
+
+def test_predicts_an_mxfp4_release_dequantised_where_its_bridge_loads_it(tmp_path: Path) -> None:
+    from support.quantise import quantise_mxfp4
+    from transformers import GptOssConfig
+
+    from megastart.harness.checkpoints import SMALL_SIZE, make_checkpoint
+
+    config = GptOssConfig(
+        **{**SMALL_SIZE, "intermediate_size": 64, "num_local_experts": 4},
+        head_dim=8,
+        architectures=["GptOssForCausalLM"],
+        dtype="bfloat16",
+    )
+    directory = make_checkpoint(config, tmp_path / "gpt_oss")
+    quantise_mxfp4(directory)
+    assert (
+        "quantisation:   mxfp4 (config.json has quantization_config (mxfp4)): dequantised by "
+        "megastart where the host's Megatron-Bridge is GPTOSSBridge"
+        in architectures(str(directory))
+    )

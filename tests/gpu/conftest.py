@@ -2,8 +2,9 @@
 ignores this folder); run on the GPU machine with ``tests/gpu/run``.
 
 Its checkpoints are tiny random bf16 models, written once per session: the project's own
-(:func:`megastart.harness.checkpoints.make_checkpoint`), Gemma 3 and OLMoE (architectures
-only Megatron-Bridge maps), and FP8 block-scaled copies made from bf16 as DeepSeek's are.
+(:func:`megastart.harness.checkpoints.make_checkpoint`), Gemma 3, OLMoE and gpt-oss
+(architectures only Megatron-Bridge maps), FP8 block-scaled copies made from bf16 as
+DeepSeek's are, and gpt-oss's MXFP4 release made from bf16 as OpenAI's are.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ BRIDGE_ONLY = {
         "olmoe",
         "OlmoeForCausalLM",
         dict(num_experts=4, num_experts_per_tok=2, num_key_value_heads=8, head_dim=8),
+    ),
+    # gpt-oss: its experts' dims multiples of 32, as MXFP4's groups need (quantised: _mxfp4)
+    "gpt_oss": (
+        "gpt_oss",
+        "GptOssForCausalLM",
+        dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=96, sliding_window=8),
     ),
 }
 """Architectures with no built-in table: (model_type, class, fields)."""
@@ -73,7 +80,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Any:
     :mod:`support.tiny_models` (float32: Qwen3.5, Qwen3-Next, the VL models...), ``deepseek_v3_plain_q``
     (no ``q_lora_rank``), ``deepseek_v3_routed`` (:data:`ROUTED_SEED`), or
     ``<one of those>_fp8`` (FP8 block-scaled, DeepSeek's blocks, with its dequantisation
-    beside it: :func:`reference_of`)."""
+    beside it: :func:`reference_of`), or ``gpt_oss_mxfp4`` (gpt-oss's experts in MXFP4)."""
     made: dict[str, str] = {}
 
     def get(name: str) -> str:
@@ -94,7 +101,7 @@ TINY = tiny_model_types()
 
 
 def make(name: str, out: Path) -> Path:
-    from support.quantise import DEEPSEEK_BLOCK, fp8_and_reference
+    from support.quantise import DEEPSEEK_BLOCK, fp8_and_reference, quantise_mxfp4
     from support.tiny_models import make_tiny
     from transformers import AutoConfig
 
@@ -103,6 +110,10 @@ def make(name: str, out: Path) -> Path:
     if name.endswith("_fp8"):  # beside it, "reference": its dequantisation (float32)
         directory = make(name.removesuffix("_fp8"), out / "bf16")
         return Path(fp8_and_reference(directory, out, DEEPSEEK_BLOCK)[0])
+    if name.endswith("_mxfp4"):  # as OpenAI's releases: the experts packed
+        directory = make(name.removesuffix("_mxfp4"), out)
+        quantise_mxfp4(directory)
+        return directory
     if name in TINY:  # written by transformers' own class (Megatron-Bridge's architectures)
         return make_tiny(name, out)
     if name in BRIDGE_ONLY:

@@ -26,10 +26,12 @@ BRIDGE_CASES = [
     pytest.param("glm4_moe", True, id="glm4_moe"),
     pytest.param("gemma3", False, id="gemma3"),
     pytest.param("olmoe", False, id="olmoe"),
+    pytest.param("gpt_oss", False, id="gpt_oss"),
+    pytest.param("gpt_oss_mxfp4", False, id="gpt_oss-mxfp4"),  # dequantised per expert
 ]
 """(checkpoint, whether megastart has a built-in table for it)."""
 
-MOE = ("qwen3_moe", "deepseek_v3", "glm4_moe", "olmoe")
+MOE = ("qwen3_moe", "deepseek_v3", "glm4_moe", "olmoe", "gpt_oss")
 
 
 def bridge_installed() -> bool:

@@ -102,10 +102,11 @@ def bridge_and_megastart(
     layout: dict[str, int],
     dtype: str = "float32",
     custom: Callable[[Any], Any] | None = None,
+    bucket_mb: float | None = None,
 ) -> tuple[dict, dict, Any]:
     """This rank's state after Megatron-Bridge's load and after megastart's, and megastart's
     report (``None``: left to the bridge). ``custom(auto)``: the model bridge both loads go
-    through instead of the ``AutoBridge``'s."""
+    through instead of the ``AutoBridge``'s; ``bucket_mb``: megastart's bucket size."""
     with megatron(layout):
         bridge, chunks = build(checkpoint, layout, dtype)
         poison(chunks)
@@ -116,18 +117,28 @@ def bridge_and_megastart(
             bridge.load_weights_hf_to_megatron(auto.hf_pretrained, chunks)
         theirs = state(chunks)
         poison(chunks)
-        report = load_by_registry(chunks, bridge, checkpoint)
+        report = load_by_registry(chunks, bridge, checkpoint, bucket_mb=bucket_mb)
         return theirs, state(chunks), report
 
 
-def load_by_registry(chunks: list[Any], bridge: Any, checkpoint: str, device: str = "cpu") -> Any:
+def load_by_registry(
+    chunks: list[Any],
+    bridge: Any,
+    checkpoint: str,
+    device: str = "cpu",
+    bucket_mb: float | None = None,
+) -> Any:
     """megastart's load of ``chunks`` through ``bridge``'s registry, as verl's and NeMo-RL's
     hooks call it (``load_for_engine``): its report, ``None`` where it left the load to the
     bridge."""
     from megatron.core import parallel_state
 
     from megastart.loader.api import load_for_engine
+    from megastart.loader.settings import PLUGIN, Rank0LoaderSettings
     from megastart.records import EngineContext
+    from megastart.settings import CoreSettings, Settings
+
+    sections = {} if bucket_mb is None else {PLUGIN: Rank0LoaderSettings(bucket_mb=bucket_mb)}
 
     engine = EngineContext(
         host="test",
@@ -136,6 +147,7 @@ def load_by_registry(chunks: list[Any], bridge: Any, checkpoint: str, device: st
         parallel_state=parallel_state,
         device=device,
         hf_bridge=bridge,
+        settings=Settings(CoreSettings(), sections) if sections else None,
     )
     return load_for_engine(engine, checkpoint)
 

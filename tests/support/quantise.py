@@ -106,3 +106,69 @@ def fp8_and_reference(source: Path, out: Path, block: tuple[int, int]) -> tuple[
     del config["quantization_config"]
     (reference / "config.json").write_text(json.dumps(config))
     return str(fp8), str(reference)
+
+
+E2M1_BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+"""Midpoints between E2M1's magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6: a value rounds to its nearest."""
+GPT_OSS_EXPERTS = {".mlp.experts.gate_up_proj": "gate", ".mlp.experts.down_proj": "down"}
+
+
+def mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` (``[..., K]``, ``K`` a multiple of 32) as MXFP4: blocks ``[..., K/32, 16]``
+    (two E2M1 codes a byte, the even element in the low nibble) and E8M0 scales
+    ``[..., K/32]`` (the exponent that brings each group's largest magnitude to at most 6)."""
+    groups = weight.float().contiguous().reshape(*weight.shape[:-1], -1, 32)
+    amax = groups.abs().amax(-1).clamp(min=2.0**-126)
+    exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponent).unsqueeze(-1)
+    codes = torch.bucketize(scaled.abs(), E2M1_BOUNDS).to(torch.uint8) | ((scaled < 0) * 8).to(
+        torch.uint8
+    )
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks.contiguous(), (exponent + 127).to(torch.uint8)
+
+
+def quantise_mxfp4(directory: Path) -> None:
+    """Make a bf16 gpt-oss checkpoint an MXFP4 release, as OpenAI's are: each layer's experts
+    ``gate_up_proj`` (``[E, H, 2I]``) and ``down_proj`` (``[E, I, H]``) stored transposed
+    as ``X_blocks`` / ``X_scales`` (``[E, 2I, H/32, 16]``, ``[E, H, I/32, 16]``), biases
+    and everything else as they were, and its ``quantization_config``."""
+
+    def edit(tensors: dict[str, torch.Tensor]) -> None:
+        for name in [n for n in tensors if n.endswith(tuple(GPT_OSS_EXPERTS))]:
+            blocks, scales = mxfp4(tensors.pop(name).transpose(-1, -2))
+            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+
+    rewrite_shards(directory, edit)
+    config_path = directory / "config.json"
+    settings = json.loads(config_path.read_text())
+    settings["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
+    config_path.write_text(json.dumps(settings))
+
+
+def int4_packed(weight: torch.Tensor, group: int = 32) -> dict[str, torch.Tensor]:
+    """A 2-D ``weight`` as compressed-tensors' symmetric INT4 ``pack-quantized`` (Kimi-K2.5's
+    routed experts): ``weight_packed`` (``[out, in/8]`` int32, eight codes ``q + 8`` each,
+    the first in the lowest nibble), ``weight_scale`` (bf16 ``[out, in/group]``: each group's
+    largest magnitude / 7) and ``weight_shape``, by suffix after ``.weight``."""
+    rows, columns = weight.shape
+    groups = weight.float().reshape(rows, -1, group)
+    scale = (groups.abs().amax(-1) / 7.0).clamp(min=1e-10).to(torch.bfloat16)
+    codes = (groups / scale.float().unsqueeze(-1)).round().clamp(-8, 7).to(torch.int32) + 8
+    codes = codes.reshape(rows, columns // 8, 8)
+    packed = torch.zeros(rows, columns // 8, dtype=torch.int32)
+    for i in range(8):
+        packed |= codes[..., i] << (4 * i)
+    return {
+        "_packed": packed,
+        "_scale": scale,
+        "_shape": torch.tensor([rows, columns], dtype=torch.int32),
+    }

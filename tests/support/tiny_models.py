@@ -95,17 +95,6 @@ TEXT_ONLY: dict[str, tuple[str, dict[str, Any]]] = {
         "MiniMaxM2ForCausalLM",
         dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, rotary_dim=8),
     ),
-    "gpt_oss": (  # experts fused, gate and up interleaved by row; sinks; alternating windows
-        "GptOssForCausalLM",
-        dict(
-            head_dim=16,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            intermediate_size=64,
-            sliding_window=16,
-            layer_types=["sliding_attention", "full_attention"] * 2,
-        ),
-    ),
 }
 
 

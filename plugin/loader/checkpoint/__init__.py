@@ -31,7 +31,12 @@ from megastart.loader.checkpoint.meta import (
     read_metadata,
     resolve_architectures,
 )
-from megastart.loader.checkpoint.quantised import SCALE_SUFFIX, Quantisation, QuantisedCheckpoint
+from megastart.loader.checkpoint.quantised import (
+    SCALE_SUFFIX,
+    Quantisation,
+    QuantisedCheckpoint,
+    logical_shape,
+)
 from megastart.loader.checkpoint.reader import TensorReader, read_exact
 
 __all__ = [
@@ -49,6 +54,7 @@ __all__ = [
     "causal_lm_for_model_type",
     "as_seen_here",
     "check_unchanged",
+    "logical_shape",
     "open_shard",
     "read_config",
     "read_exact",
