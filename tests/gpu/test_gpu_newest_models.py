@@ -35,7 +35,7 @@ NEWEST = [
 """``model_type``s of :mod:`support.tiny_models`: Qwen3-Next, Qwen3.5 (dense and MoE, text and
 vision-language), Qwen3-VL (dense and MoE), GLM-4.5V, MiniMax-M2 (gpt-oss: ``test_gpu_loads.py``)."""
 
-MOE = set(NEWEST) - {"qwen3_5_text", "qwen3_5", "qwen3_vl"}
+MOE = set(NEWEST) - {"qwen3_5_text", "qwen3_5", "qwen3_vl"} | {"gpt_oss"}
 
 
 def check(got: dict[str, Any], name: str, where: str) -> None:
