@@ -10,8 +10,9 @@ first byte moves, with the loader's own functions: the unused tensors, the plan,
 receiver sets, the stream's process groups, and the stream's lookups of where each bucket
 goes. Figures per role: process CPU seconds (best of ``--repeats``), the peak of Python
 memory it allocated (``tracemalloc``, the gathered demands included), the process groups
-each load makes (``over_world``: the ``new_group`` s between node leaders, each made by
-every rank; and the node's own two, made by its ranks alone) and the groups of the control
+each load makes (``between_leaders``: the groups between node leaders it is in, made by
+those leaders alone; and the node's own two, made by its ranks alone; none a collective
+over the world) and the groups of the control
 plane's tree it is in (made once per process, :mod:`megastart.distributed.control`), and the
 store requests per second of a
 rank waiting at the board (the real :class:`~megastart.distributed.Board` wait with its node's
@@ -84,7 +85,7 @@ def measure_world(
             "plan_s": _best_cpu(repeats, work),
             "plan_mb": _peak_mb(work),
             "groups": made["groups"],
-            "over_world": made["over_world"],
+            "between_leaders": made["between_leaders"],
             "control_groups": sum(rank in group for group in tree),
             "store_rps": rates[role != "member"],
         }
@@ -111,7 +112,7 @@ def _planning(
         demands_once,
         unused_tensors,
     )
-    from megastart.loader.route import Nodes, group_sets
+    from megastart.loader.route import Nodes, leader_sets
 
     table = mapping_for(meta.architectures[0])
 
@@ -122,7 +123,8 @@ def _planning(
         sets = [plan.receiver_sets]
         nodes = Nodes.of(keys)
         group = list(range(len(keys)))
-        leader_sets = group_sets([group], [nodes], sets)
+        # the sets of leaders a bucket reaches; this rank makes those it is in, with them alone
+        made = [s for s in leader_sets(group, nodes, sets[0]) if rank in s]
         # the node's own two (headers, reports), made by its ranks alone; none on the reader's
         # node, which takes its slices out of the page cache
         local = 2 if len(nodes.node_of(rank)) > 1 and rank not in nodes.members[0] else 0
@@ -130,11 +132,7 @@ def _planning(
             looked = len(nodes.local_buckets(rank, plan))
         else:  # the reader's and the leaders' Route.leaders_for of every bucket
             looked = sum(len(nodes.leaders_reached(b.positions)) for b in plan.buckets)
-        return {
-            "groups": len(leader_sets) + local,
-            "over_world": len(leader_sets),
-            "looked": looked,
-        }
+        return {"groups": len(made) + local, "between_leaders": len(made), "looked": looked}
 
     return work
 

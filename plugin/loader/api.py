@@ -286,7 +286,7 @@ def _load(
             value_model=value_model,
         )
         backend = transport_backend(settings.transport, {r.device for r in by_rank})
-    plan, sets, readers = buckets.plan, buckets.sets, buckets.readers
+    plan, readers = buckets.plan, buckets.readers
     left_by_all = tuple(sorted({name for r in by_rank for name in r.left_to_host}))
     if rank == 0:
         announce(buckets, left_by_all, checkpoint, table, striped=striped, value_model=value_model)
@@ -299,11 +299,11 @@ def _load(
         ) as page,
     ):
         route = open_route(
-            groups,
-            nodes,
-            sets,
+            group,
+            [nodes[r] for r in group],
+            plan.receiver_sets,
             own,
-            page_cache=[cached and r.page_cache for r in by_rank],
+            page_cache=[cached and by_rank[r].page_cache for r in group],
             backend=backend,
             device=device,
             board=board,

@@ -18,7 +18,7 @@ from megastart.loader.checkpoint import CheckpointMeta
 from megastart.loader.mappings import VALUE_HEAD, MappingTable
 from megastart.loader.model import UnsupportedArchitecture, mapping_table
 from megastart.loader.needs import Demand
-from megastart.loader.plan import Plan, build_plan, receiver_sets, unused_tensors
+from megastart.loader.plan import Plan, build_plan, unused_tensors
 from megastart.loader.route import Nodes
 from megastart.loader.settings import PLUGIN, Rank0LoaderSettings
 from megastart.loader.stripes import stripe
@@ -52,8 +52,6 @@ class Buckets:
 
     plan: Plan
     """Its reader group's buckets."""
-    sets: list[list[tuple[int, ...]]]
-    """Per reader group, the distinct sets of positions its buckets reach."""
     readers: tuple[int, ...]
     """The global ranks that read."""
     unused: list[str]
@@ -74,8 +72,8 @@ def plan_buckets(
     strict: bool,
     value_model: bool,
 ) -> Buckets:
-    """The buckets of this rank's reader group, and every group's receiver sets; raises
-    :class:`PlanError` for tensors no rank uses when ``strict``."""
+    """The buckets of this rank's reader group; raises :class:`PlanError` for tensors no rank
+    uses when ``strict``."""
     unused = unused_tensors(demands, meta, table, value_model=value_model)
     if unused and strict:
         raise PlanError(_unused_message(unused, checkpoint, strict=True))
@@ -87,18 +85,12 @@ def plan_buckets(
     )
     if striped:
         plan = stripe(plan, Nodes.of([nodes[r] for r in group]))
-    sets = [  # another node's reader group (reader=node) has a plan this rank does not make
-        plan.receiver_sets
-        if members is group
-        else receiver_sets([demands[r] for r in members], to_reader=not striped)
-        for members in groups
-    ]
     readers = (
         tuple(sorted({group[b.reader] for b in plan.buckets}))
         if striped
         else tuple(g[0] for g in groups)
     )
-    return Buckets(plan, sets, readers, unused)
+    return Buckets(plan, readers, unused)
 
 
 def announce(
