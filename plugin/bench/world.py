@@ -5,9 +5,10 @@ Every rank's demands are made as the ranks would make them (each distinct pipeli
 and expert-parallel rank's parameters resolved against the synthetic checkpoint; tensor-
 and data-parallel ranks share them), pickled as the planning phase's all-gather hands them
 to every rank, and then one rank of each role (the reader, rank 0; the leader of the second
-node; a member of the first node) runs what ``load_hf_checkpoint`` runs on it before the
-first byte moves, with the loader's own functions: the unused tensors, the plan, the
-receiver sets, the stream's process groups, and the stream's lookups of where each bucket
+node; a member of the second) runs what ``load_hf_checkpoint`` runs on it before the
+first byte moves, with the loader's own functions: on the reader, the unused tensors, the
+plan and each node's view of it; on the others, their node's view as the control plane
+hands it down; on each, the stream's process groups and its lookups of where each bucket
 goes. Figures per role: process CPU seconds (best of ``--repeats``), the peak of Python
 memory it allocated (``tracemalloc``, the gathered demands included), the process groups
 each load makes (``between_leaders``: the groups between node leaders it is in, made by
@@ -58,9 +59,12 @@ def measure_world(
     gathered = [pickle.dumps((r, packs[id(d)])) for r, d in enumerate(demands_by_rank)]
     world = len(gathered)
     keys = [("node", r - r % ranks_per_node) for r in range(world)]
-    roles = {"reader": 0, "leader": ranks_per_node, "member": 1}
+    # a member of the second node: one of the reader's node takes the whole plan (its node's
+    # view), as it takes its slices out of the page cache
+    roles = {"reader": 0, "leader": ranks_per_node, "member": ranks_per_node + 1}
     if world == ranks_per_node:
         del roles["leader"]
+        roles["member"] = 1
     if ranks_per_node == 1:
         del roles["member"]
     nodes = world // ranks_per_node
@@ -105,26 +109,47 @@ def _planning(
     bucket_mb: float,
 ) -> Callable[[], dict[str, Any]]:
     """What ``load_hf_checkpoint`` computes on ``rank`` between the planning phase's all-gather
-    and the stream's first byte (``reader=global``, as today's default)."""
+    and the stream's first byte (``reader=global``, as today's default): the reader plans the
+    buckets and cuts each node's view of them; another rank unpickles its node's view as the
+    control plane's scatter hands it over (:func:`~megastart.loader.planning.handed_out`)."""
     from megastart.loader.mappings import mapping_for
-    from megastart.loader.plan import (
-        build_plan,
-        demands_once,
-        unused_tensors,
-    )
+    from megastart.loader.plan import build_plan, demands_once, distinct, unused_tensors
+    from megastart.loader.planning import Outline, node_plan, node_views
     from megastart.loader.route import Nodes, leader_sets
 
     table = mapping_for(meta.architectures[0])
+    nodes = Nodes.of(keys)
+    group = list(range(len(keys)))
 
-    def work() -> dict[str, Any]:
+    def plan_all() -> tuple[Any, dict[int, Any], Outline]:
         by_rank = demands_once([pickle.loads(shared)[1] for shared in gathered], meta)
         unused_tensors(by_rank, meta, table)
         plan = build_plan(by_rank, meta, bucket_bytes=int(bucket_mb * 2**20))
-        sets = [plan.receiver_sets]
-        nodes = Nodes.of(keys)
-        group = list(range(len(keys)))
+        views = node_views(plan, nodes)
+        pickled: dict[int, bytes] = {}  # each distinct view once, as the scatter sends it
+        for view in views.values():
+            pickled.setdefault(id(view), pickle.dumps(view))
+        tensors = len({n for d in distinct(by_rank) for names, _ in d for n in names})
+        sizes = tuple(b.nbytes for b in plan.buckets)
+        outline = Outline(sizes, tuple(b.reader for b in plan.buckets), (0,), tensors)
+        return plan, views, outline
+
+    handed = b""
+    plans = role == "reader" or len(nodes.members) == 1  # one node: every rank plans
+    if not plans:  # what the scatter hands this node, made once, outside the timing
+        _, views, outline = plan_all()
+        handed = pickle.dumps((views[nodes.leader_of[rank]], outline))
+
+    def work() -> dict[str, Any]:
+        if plans:
+            plan = plan_all()[0]
+        else:
+            for shared in gathered:  # the gather's reports, which every rank still receives
+                pickle.loads(shared)
+            view, outline = pickle.loads(handed)
+            plan = node_plan(outline, view)
         # the sets of leaders a bucket reaches; this rank makes those it is in, with them alone
-        made = [s for s in leader_sets(group, nodes, sets[0]) if rank in s]
+        made = [s for s in leader_sets(group, nodes, plan.receiver_sets) if rank in s]
         # the node's own two (headers, reports), made by its ranks alone; none on the reader's
         # node, which takes its slices out of the page cache
         local = 2 if len(nodes.node_of(rank)) > 1 and rank not in nodes.members[0] else 0

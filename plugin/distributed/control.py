@@ -19,7 +19,7 @@ import os
 import pickle
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from megastart.distributed.groups import LocalGroup
@@ -77,14 +77,20 @@ class Control:
 
     :param top: the tree's top group, where known (to its ranks and every node leader): its
         ranks hold every report once they have exchanged theirs.
+    :param node: this rank's node, its global ranks ascending (its first leads it).
     """
 
     def __init__(
-        self, groups: Sequence[LocalGroup], top: tuple[int, ...] | None, world: int
+        self,
+        groups: Sequence[LocalGroup],
+        top: tuple[int, ...] | None,
+        world: int,
+        node: tuple[int, ...] = (),
     ) -> None:
         self.groups = tuple(groups)
         self.top = top
         self.world = world
+        self.node = node
 
     @property
     def group_ranks(self) -> list[tuple[int, ...]]:
@@ -113,6 +119,44 @@ class Control:
     def broadcast(self, value: Any, *, timeout_s: float) -> Any:
         """Rank 0's ``value`` (picklable) on every rank; rank 0 leads every group it is in."""
         return pickle.loads(self._down(pickle.dumps(value), timeout_s, top=True))
+
+    def scatter(self, values: Mapping[int, Any] | None, *, timeout_s: float) -> Any:
+        """Rank 0's ``values[leader]`` (picklable) on every rank of ``leader``'s node: each node
+        gets its own value, not the others' (``values``: by node leader, on rank 0; ignored
+        elsewhere).
+
+        Down the tree, each group's leader sends what its group's subtrees need, and each
+        rank keeps its own subtree's part (the leader too, for the groups it leads lower
+        down): a leader the nodes below it (a contiguous range of leaders,
+        :func:`tree_levels`), a node's other ranks their leader's value. Leaders that
+        share a value share its bytes: a group carries each distinct value once.
+        """
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+        held: tuple[dict[int, int], list[bytes]] = ({}, [])
+        if rank == 0:
+            assert values is not None
+            distinct: dict[bytes, int] = {}
+            pickled: dict[int, bytes] = {}  # by the value's id: one pickling per object
+            pointers = {}
+            for leader, value in values.items():
+                data = pickled.get(id(value)) or pickled.setdefault(id(value), pickle.dumps(value))
+                pointers[leader] = distinct.setdefault(data, len(distinct))
+            held = pointers, list(distinct)
+        for group in reversed(self.groups):
+            if group.index == 0:
+                if group.ranks == self.node:  # this node's ranks: its own value alone
+                    held = _kept(held, (rank,))
+                _broadcast(group, pickle.dumps(held), timeout_s)
+                held = _kept(held, range(rank, group.ranks[1]))  # the leaders below it
+                continue
+            received = pickle.loads(_broadcast(group, b"", timeout_s))
+            if group.ranks == self.node:
+                return pickle.loads(_kept(received, (group.ranks[0],))[1][0])
+            following = group.ranks[group.index + 1 : group.index + 2]
+            held = _kept(received, range(rank, following[0] if following else self.world))
+        return pickle.loads(_kept(held, (rank,))[1][0])
 
     def _down(self, payload: bytes, timeout_s: float, *, top: bool = False) -> bytes:
         """``payload`` passed down this rank's groups, top first (the tree's top group too if
@@ -163,7 +207,21 @@ def make_control(timeout_s: float, *, fanout: int = FANOUT) -> Control:
         for ranks in its_groups
         if rank in ranks
     ]
-    return Control(groups, top, dist.get_world_size())
+    return Control(groups, top, dist.get_world_size(), members)
+
+
+def _kept(
+    held: tuple[dict[int, int], list[bytes]], leaders: Sequence[int] | range
+) -> tuple[dict[int, int], list[bytes]]:
+    """The part of a :meth:`Control.scatter` payload for ``leaders``: their pointers, and the
+    distinct values they point at (renumbered)."""
+    pointers, values = held
+    kept: dict[int, int] = {}
+    renumbered: dict[int, int] = {}
+    for leader, index in pointers.items():
+        if leader in leaders:
+            kept[leader] = renumbered.setdefault(index, len(renumbered))
+    return kept, [values[index] for index in renumbered]
 
 
 def _add(store: dist.Store, key: str, rank: int) -> None:

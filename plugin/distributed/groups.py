@@ -66,6 +66,7 @@ class LocalGroup:
         ranks = tuple(sorted(ranks))
         index = ranks.index(dist.get_rank())
         timeout = datetime.timedelta(seconds=timeout_s)
+        group: Any
         if backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout

@@ -1,8 +1,9 @@
 """The plan: every rank's demands, shared and packed into buckets.
 
-Every rank computes the plan from the same inputs (the broadcast checkpoint
-metadata and the all-gathered demands of every rank, :mod:`megastart.loader.needs`),
-so every rank gets the same buckets in the same order, before any bulk transfer.
+The reader computes the plan from the broadcast checkpoint metadata and the
+all-gathered demands of every rank (:mod:`megastart.loader.needs`), before any bulk
+transfer; on several nodes the other ranks take their node's view of it
+(:func:`megastart.loader.planning.handed_out`).
 Nothing here touches torch.distributed: it is plain data in, plain data out,
 testable on names and shapes alone.
 """

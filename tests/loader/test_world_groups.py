@@ -1,12 +1,14 @@
 """The process groups a load makes at 8,192 ranks (Qwen3-235B-A22B, TP4 x PP8 x EP64, 1,024
 nodes of 8), computed from every rank's demands as the ranks make them, without starting a
-process: which groups between node leaders each rank makes, and with whom."""
+process: which groups between node leaders each rank makes, and with whom, from the whole
+plan (the reader) and from its node's view of it (every other leader)."""
 
 from __future__ import annotations
 
 from megastart.bench.synthetic import MODELS, Layout, synthetic_checkpoint, world_demands
 from megastart.distributed import tree_levels
 from megastart.loader.plan import build_plan
+from megastart.loader.planning import Outline, node_plan, node_views
 from megastart.loader.route import Nodes, leader_sets
 
 
@@ -45,6 +47,25 @@ def test_at_8192_ranks_each_group_between_leaders_is_made_by_its_leaders_alone()
     sizes = [len(ranks) for ranks in sets[1:]]
     assert max(sizes) <= 128 + 1
     assert sum(size <= 4 + 1 for size in sizes) >= 0.9 * len(sizes)
+
+    # no leader plans: each takes its node's view from the reader, and makes from it alone
+    # exactly the groups above, in the same order; its node's ranks take the same buckets
+    views = node_views(plan, nodes)
+    outline = Outline(
+        tuple(b.nbytes for b in plan.buckets), tuple(b.reader for b in plan.buckets), (0,), 0
+    )
+    # one view per stage and pair of expert-parallel ranks (a node's 8 ranks: TP4 x 2 EP
+    # ranks), shared by its nodes; the reader's node needs every bucket, and sees them all
+    assert len({id(view) for view in views.values()}) == 8 * 64 // 2 + 1
+    assert len(views[0]) == len(plan.buckets)
+    for leader in (8, 16, 4096, 8184):
+        view = node_plan(outline, views[leader])
+        assert [b.nbytes for b in view.buckets] == [b.nbytes for b in plan.buckets]
+        assert len(views[leader]) < len(plan.buckets) // 4  # its stage's or experts' buckets
+        mine = [s for s in leader_sets(world, nodes, view.receiver_sets) if leader in s]
+        assert mine == made[leader]
+        for member in range(leader + 1, leader + 8):
+            assert nodes.local_buckets(member, view) == nodes.local_buckets(member, plan)
 
     # the control plane's groups: made once per process, none over more than 32 ranks
     tree = [group for level in tree_levels(nodes.members) for group in level]
