@@ -112,6 +112,7 @@ def _planning(
     and the stream's first byte (``reader=global``, as today's default): the reader plans the
     buckets and cuts each node's view of them; another rank unpickles its node's view as the
     control plane's scatter hands it over (:func:`~megastart.loader.planning.handed_out`)."""
+    from megastart.distributed.control import scatter_parts
     from megastart.loader.mappings import mapping_for
     from megastart.loader.plan import build_plan, demands_once, distinct, unused_tensors
     from megastart.loader.planning import Outline, node_plan, node_views
@@ -126,9 +127,7 @@ def _planning(
         unused_tensors(by_rank, meta, table)
         plan = build_plan(by_rank, meta, bucket_bytes=int(bucket_mb * 2**20))
         views = node_views(plan, nodes)
-        pickled: dict[int, bytes] = {}  # each distinct view once, as the scatter sends it
-        for view in views.values():
-            pickled.setdefault(id(view), pickle.dumps(view))
+        pickle.dumps(scatter_parts(views))  # what the scatter sends down from the reader
         tensors = len({n for d in distinct(by_rank) for names, _ in d for n in names})
         sizes = tuple(b.nbytes for b in plan.buckets)
         outline = Outline(sizes, tuple(b.reader for b in plan.buckets), (0,), tensors)
@@ -144,8 +143,8 @@ def _planning(
         if plans:
             plan = plan_all()[0]
         else:
-            for shared in gathered:  # the gather's reports, which every rank still receives
-                pickle.loads(shared)
+            # the gather's reports, which every rank still receives and holds in the phase
+            reports = [pickle.loads(shared) for shared in gathered]
             view, outline = pickle.loads(handed)
             plan = node_plan(outline, view)
         # the sets of leaders a bucket reaches; this rank makes those it is in, with them alone
@@ -157,6 +156,8 @@ def _planning(
             looked = len(nodes.local_buckets(rank, plan))
         else:  # the reader's and the leaders' Route.leaders_for of every bucket
             looked = sum(len(nodes.leaders_reached(b.positions)) for b in plan.buckets)
+        if not plans:
+            del reports  # held to here, as the load holds them
         return {"groups": len(made) + local, "between_leaders": len(made), "looked": looked}
 
     return work

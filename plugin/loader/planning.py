@@ -172,7 +172,7 @@ def handed_out(
         values = {group[p]: view for p, view in node_views(plan, nodes).items()}
         sizes = tuple(b.nbytes for b in plan.buckets)
         outline = Outline(sizes, tuple(b.reader for b in plan.buckets), buckets.readers, tensors)
-    try:
+    try:  # the buckets are the parts: one a stage's nodes all need crosses each group once
         view = control.scatter(values, timeout_s=timeout_s)
         outline = control.broadcast(outline, timeout_s=timeout_s)
     except Exception as e:
