@@ -71,6 +71,48 @@ def broadcast_throughput(nbytes: int, repeats: int = 3) -> float:
     return best
 
 
+def leader_broadcast_throughput(nbytes: int, ranks_per_node: int, repeats: int = 3) -> float:
+    """Rank function: the fastest of ``repeats`` NCCL broadcasts of ``nbytes`` from rank 0 to
+    every node leader (each node's first rank, on GPU ``rank % device_count``), in seconds,
+    on the leaders (0.0 on the others).
+
+    Over a group the leaders make alone, as the loader makes its own between node leaders
+    (:class:`~megastart.distributed.LocalGroup`): the limit of ``--transport nccl``, what the
+    buckets' crossings between nodes cannot beat. Each timed broadcast ends with an
+    all-reduce of one element, so it counts until the last leader has the data.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    from megastart.distributed import LocalGroup
+
+    rank = dist.get_rank()
+    if rank % ranks_per_node:
+        return 0.0
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    leaders = range(0, dist.get_world_size(), ranks_per_node)
+    store = dist.PrefixStore("megastart-bench/leaders/", _get_default_store())
+    group = LocalGroup.make(store, leaders, timeout_s=600.0, backend="nccl")
+    buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    done = torch.zeros(1, device=device)
+
+    def broadcast() -> None:
+        group.broadcast(buffer, 0).wait()
+        group.all_reduce(done).wait()
+        torch.cuda.synchronize(device)
+
+    broadcast()  # NCCL connects the group on its first collective
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        broadcast()
+        best = min(best, time.perf_counter() - start)
+    group.close(failed=False)
+    return best
+
+
 def host_to_device_throughput(nbytes: int, repeats: int = 3) -> float:
     """Rank function: the fastest of ``repeats`` copies of ``nbytes`` of page-locked host memory
     into this rank's GPU, in GB/s, on rank 0 (0.0 on the others: the ranks of the benchmark

@@ -85,6 +85,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="simulate nodes of this many consecutive ranks through LOCAL_RANK (default: one node)",
     )
     parser.add_argument(
+        "--transport",
+        choices=("gloo", "nccl"),
+        default="gloo",
+        help="megastart's rank0_loader.transport between node leaders (default: gloo); nccl "
+        "needs --device cuda, and each node leader a GPU of its own (--ranks-per-node 1: each "
+        "GPU a simulated node); adds the limit of an NCCL broadcast between the leaders",
+    )
+    parser.add_argument(
         "--size-gb", type=float, default=1.0, help="checkpoint size to generate, in GB (default: 1)"
     )
     parser.add_argument(
@@ -163,6 +171,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--read-gbps must be a positive number of GB/s, got {args.read_gbps}")
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
+    if args.transport == "nccl":
+        _check_nccl(args.device, args.ranks, args.ranks_per_node or args.ranks)
     conditions = ("cold", "warm") if args.page_cache == "both" else (args.page_cache,)
     with tempfile.TemporaryDirectory(prefix="megastart-bench-") as tmp:
         workdir = args.workdir or Path(tmp)
@@ -179,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
             device=args.device,
             ranks_per_node=args.ranks_per_node,
             read_gbps=args.read_gbps,
+            transport=args.transport,
         )
     results = runs[0].record()
     for other in runs[1:]:
@@ -239,6 +250,28 @@ def _check_bridge(chosen: tuple[str, ...], *, packed: bool) -> None:
         raise SystemExit(
             f"{wanted} needs Megatron-Bridge, which is not installed here "
             "(pip install megatron-bridge)"
+        )
+
+
+def _check_nccl(device: str, ranks: int, ranks_per_node: int) -> None:
+    """Refuse ``--transport nccl`` where it cannot run, before any rank starts: NCCL needs CUDA
+    parameters, and refuses two ranks of one group on one GPU."""
+    import torch
+
+    if device != "cuda":
+        raise SystemExit("--transport nccl needs --device cuda (NCCL carries CUDA tensors)")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == 0:
+        raise SystemExit(
+            "--transport nccl needs CUDA, and this machine has none "
+            f"(torch {torch.__version__}: torch.cuda.is_available() is False); use --transport gloo"
+        )
+    leaders = range(0, ranks, ranks_per_node)
+    if len({rank % gpus for rank in leaders}) < len(leaders):
+        raise SystemExit(
+            f"--transport nccl: the {len(leaders)} node leaders (ranks {list(leaders)}) would "
+            f"share the {gpus} GPU(s) here (rank r uses GPU r % {gpus}), and NCCL refuses two "
+            "ranks of a group on one GPU; use --ranks-per-node 1 with at most one rank per GPU"
         )
 
 

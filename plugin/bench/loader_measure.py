@@ -43,9 +43,11 @@ def measure(
     device: str = "cpu",
     ranks_per_node: int | None = None,
     read_gbps: float | None = None,
+    transport: str = "gloo",
 ) -> list[ConditionResult]:
     """Run the limits and every strategy, once per page-cache condition; one result per
-    condition. ``read_gbps`` caps each process's reads of the files."""
+    condition. ``read_gbps`` caps each process's reads of the files; ``transport`` is
+    megastart's between node leaders (with ``nccl``, its broadcast limit is measured too)."""
     from megastart.bench import limits
     from megastart.bench.baselines import checkpoint_files
     from megastart.bench.packed import is_packed
@@ -66,7 +68,7 @@ def measure(
         for condition in page_caches
     }
     probe = min(BROADCAST_PROBE_BYTES, checkpoint_bytes)
-    options = {"transport": "gloo", "progress": False, "timeout_s": timeout_s}
+    options = {"transport": transport, "progress": False, "timeout_s": timeout_s}
     if bucket_mb is not None:
         options["bucket_mb"] = bucket_mb
     results = {
@@ -95,6 +97,7 @@ def measure(
     reads: dict[str, list[tuple[int, float]]] = {condition: [] for condition in page_caches}
     broadcasts: list[float] = []
     links: list[float] = []
+    nccl: list[float] = []
 
     def measure_reads(condition: str) -> None:
         for _ in range(3):
@@ -102,7 +105,7 @@ def measure(
             reads[condition].append(limits.read_throughput(files))
 
     for name in strategies:
-        measured, broadcast_s, link_gbps = _measure_strategy(
+        measured, broadcast_s, link_gbps, nccl_s = _measure_strategy(
             name,
             checkpoint,
             layout,
@@ -120,6 +123,7 @@ def measure(
         )
         broadcasts.append(broadcast_s)
         links.append(link_gbps)
+        nccl += [nccl_s] if nccl_s > 0 else []
         for condition, result in measured.items():
             log.info(
                 "%s, page cache %s: %.2f s, node peak %.2f GB, transient %.2f GB",
@@ -142,6 +146,8 @@ def measure(
             measurements=len(reads[condition]),
             page_cache_read_gbps=cached_read[0] / cached_read[1] / 1e9,
             host_to_device_gbps=max(links),
+            nccl_broadcast_gbps=probe / min(nccl) / 1e9 if nccl else 0.0,
+            nccl_broadcast_s=checkpoint_bytes * min(nccl) / probe if nccl else 0.0,
         )
         run.machine.load_average_at_end = os.getloadavg()[0]
         reference = run.strategies[megastart_row(run.strategies)].checksums
@@ -167,7 +173,7 @@ def _measure_strategy(
     ranks_per_node: int,
     read_gbps: float | None,
     packed: bool,
-) -> tuple[dict[str, StrategyResult], float, float]:
+) -> tuple[dict[str, StrategyResult], float, float, float]:
     """One strategy in a fresh world, so no strategy inherits another's heap or state.
 
     Per page-cache condition (the keys of ``before_load``, which runs before each
@@ -180,7 +186,9 @@ def _measure_strategy(
     The conditions share the world: starting one costs more than all of a small
     checkpoint's loads. Also returns the fastest of three gloo broadcasts of
     ``probe_bytes`` in this world, in seconds, and with CUDA parameters the link's
-    rate (page-locked memory into rank 0's GPU, GB/s; else 0.0).
+    rate (page-locked memory into rank 0's GPU, GB/s; else 0.0), and with
+    ``options["transport"] == "nccl"`` the fastest of three NCCL broadcasts of
+    ``probe_bytes`` between the node leaders, in seconds (else 0.0).
     """
     from megastart.bench import limits, strategies
     from megastart.harness.launch import RankPool
@@ -190,6 +198,11 @@ def _measure_strategy(
     with RankPool(layout.ranks, timeout_s=timeout_s, env=nodes) as pool:
         pids = pool.run(os.getpid)
         broadcast_s = max(pool.run(limits.broadcast_throughput, probe_bytes))
+        nccl_s = (
+            max(pool.run(limits.leader_broadcast_throughput, probe_bytes, ranks_per_node))
+            if options["transport"] == "nccl"
+            else 0.0
+        )
         pool.run(strategies.build_model, str(checkpoint), asdict(layout), device)
         link_gbps = (
             max(pool.run(limits.host_to_device_throughput, probe_bytes))
@@ -214,7 +227,7 @@ def _measure_strategy(
                 **{f.name: getattr(memory, f.name) for f in fields(memory)},
             )
         pool.run(strategies.teardown)
-    return measured, broadcast_s, link_gbps
+    return measured, broadcast_s, link_gbps, nccl_s
 
 
 def _measure_memory(

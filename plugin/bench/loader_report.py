@@ -98,6 +98,13 @@ def render(run: ConditionResult) -> str:
         f"{lim.broadcast_gbps:.2f} GB/s "
         f"({lim.broadcast_s:.2f} s for the checkpoint).",
     ]
+    if lim.nccl_broadcast_gbps > 0:
+        lines += [
+            f"limit, NCCL between the {layout.ranks // run.ranks_per_node} node leaders (the "
+            f"loader's --transport nccl): {lim.broadcast_probe_bytes / 2**20:.0f} MiB at "
+            f"{lim.nccl_broadcast_gbps:.2f} GB/s, best of 3 ({lim.nccl_broadcast_s:.2f} s for "
+            "the checkpoint).",
+        ]
     if cuda:
         lines += [
             "",

@@ -127,6 +127,10 @@ class Limits:
     measurements: int
     page_cache_read_gbps: float
     host_to_device_gbps: float = 0.0
+    nccl_broadcast_gbps: float = 0.0
+    """NCCL between the node leaders (``--transport nccl``; 0.0 otherwise)."""
+    nccl_broadcast_s: float = 0.0
+    """The checkpoint's size at ``nccl_broadcast_gbps``."""
     """With CUDA parameters: page-locked host memory into one GPU, best of several (the
     link's rate; 0.0 without CUDA)."""
 

@@ -120,14 +120,14 @@ def render_world(results: dict[str, Any]) -> str:
         f"{results['model']}: {results['tensors']:,} checkpoint tensors; {results['world']:,} "
         f"ranks, {results['ranks_per_node']} per node, TP{layout['tp']} PP{layout['pp']} "
         f"EP{layout['ep']}; the all-gathered demands: {results['demands_mb']:.1f} MB (pickled)",
-        f"  {'role':<7} {'rank':>6} {'plan s':>8} {'plan MB':>8} {'groups (over world)':>19} {'control':>7} "
+        f"  {'role':<7} {'rank':>6} {'plan s':>8} {'plan MB':>8} {'groups (leaders)':>19} {'control':>7} "
         f"{'store req/s waiting (first 3 s, then)':>38}",
     ]
     for role, figures in results["roles"].items():
         rps = figures["store_rps"]
         lines.append(
             f"  {role:<7} {figures['rank']:>6} {figures['plan_s']:>8.3f} {figures['plan_mb']:>8.1f} "
-            f"{figures['groups']:>7,} {'(' + format(figures['over_world'], ',') + ')':>11} "
+            f"{figures['groups']:>7,} {'(' + format(figures['between_leaders'], ',') + ')':>11} "
             f"{figures['control_groups']:>7} "
             f"{rps['first']:>27.1f}, {rps['settled']:.1f}"
         )
@@ -145,8 +145,8 @@ def render_world(results: dict[str, Any]) -> str:
     lines.append(
         "  (reader=global, as by default; plan s: process CPU time from the gathered demands to "
         "the stream's first byte, best of --repeats; plan MB: peak Python memory allocated, the "
-        "gathered demands included; groups: process groups each rank creates per load, over world: "
-        "those each a collective over every rank; control: "
+        "gathered demands included; groups: process groups each rank creates per load, none over the world, leaders: "
+        "those between node leaders, made by those leaders alone; control: "
         "the control plane's groups it is in, kept; store req/s: one "
         "rank waiting at the board; node leaders look at the store, the other ranks at their "
         "node's page)"

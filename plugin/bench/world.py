@@ -5,13 +5,15 @@ Every rank's demands are made as the ranks would make them (each distinct pipeli
 and expert-parallel rank's parameters resolved against the synthetic checkpoint; tensor-
 and data-parallel ranks share them), pickled as the planning phase's all-gather hands them
 to every rank, and then one rank of each role (the reader, rank 0; the leader of the second
-node; a member of the first node) runs what ``load_hf_checkpoint`` runs on it before the
-first byte moves, with the loader's own functions: the unused tensors, the plan, the
-receiver sets, the stream's process groups, and the stream's lookups of where each bucket
+node; a member of the second) runs what ``load_hf_checkpoint`` runs on it before the
+first byte moves, with the loader's own functions: on the reader, the unused tensors, the
+plan and each node's view of it; on the others, their node's view as the control plane
+hands it down; on each, the stream's process groups and its lookups of where each bucket
 goes. Figures per role: process CPU seconds (best of ``--repeats``), the peak of Python
 memory it allocated (``tracemalloc``, the gathered demands included), the process groups
-each load makes (``over_world``: the ``new_group`` s between node leaders, each made by
-every rank; and the node's own two, made by its ranks alone) and the groups of the control
+each load makes (``between_leaders``: the groups between node leaders it is in, made by
+those leaders alone; and the node's own two, made by its ranks alone; none a collective
+over the world) and the groups of the control
 plane's tree it is in (made once per process, :mod:`megastart.distributed.control`), and the
 store requests per second of a
 rank waiting at the board (the real :class:`~megastart.distributed.Board` wait with its node's
@@ -57,9 +59,12 @@ def measure_world(
     gathered = [pickle.dumps((r, packs[id(d)])) for r, d in enumerate(demands_by_rank)]
     world = len(gathered)
     keys = [("node", r - r % ranks_per_node) for r in range(world)]
-    roles = {"reader": 0, "leader": ranks_per_node, "member": 1}
+    # a member of the second node: one of the reader's node takes the whole plan (its node's
+    # view), as it takes its slices out of the page cache
+    roles = {"reader": 0, "leader": ranks_per_node, "member": ranks_per_node + 1}
     if world == ranks_per_node:
         del roles["leader"]
+        roles["member"] = 1
     if ranks_per_node == 1:
         del roles["member"]
     nodes = world // ranks_per_node
@@ -84,7 +89,7 @@ def measure_world(
             "plan_s": _best_cpu(repeats, work),
             "plan_mb": _peak_mb(work),
             "groups": made["groups"],
-            "over_world": made["over_world"],
+            "between_leaders": made["between_leaders"],
             "control_groups": sum(rank in group for group in tree),
             "store_rps": rates[role != "member"],
         }
@@ -104,25 +109,46 @@ def _planning(
     bucket_mb: float,
 ) -> Callable[[], dict[str, Any]]:
     """What ``load_hf_checkpoint`` computes on ``rank`` between the planning phase's all-gather
-    and the stream's first byte (``reader=global``, as today's default)."""
+    and the stream's first byte (``reader=global``, as today's default): the reader plans the
+    buckets and cuts each node's view of them; another rank unpickles its node's view as the
+    control plane's scatter hands it over (:func:`~megastart.loader.planning.handed_out`)."""
+    from megastart.distributed.control import scatter_parts
     from megastart.loader.mappings import mapping_for
-    from megastart.loader.plan import (
-        build_plan,
-        demands_once,
-        unused_tensors,
-    )
-    from megastart.loader.route import Nodes, group_sets
+    from megastart.loader.plan import build_plan, demands_once, distinct, unused_tensors
+    from megastart.loader.planning import Outline, node_plan, node_views
+    from megastart.loader.route import Nodes, leader_sets
 
     table = mapping_for(meta.architectures[0])
+    nodes = Nodes.of(keys)
+    group = list(range(len(keys)))
 
-    def work() -> dict[str, Any]:
+    def plan_all() -> tuple[Any, dict[int, Any], Outline]:
         by_rank = demands_once([pickle.loads(shared)[1] for shared in gathered], meta)
         unused_tensors(by_rank, meta, table)
         plan = build_plan(by_rank, meta, bucket_bytes=int(bucket_mb * 2**20))
-        sets = [plan.receiver_sets]
-        nodes = Nodes.of(keys)
-        group = list(range(len(keys)))
-        leader_sets = group_sets([group], [nodes], sets)
+        views = node_views(plan, nodes)
+        pickle.dumps(scatter_parts(views))  # what the scatter sends down from the reader
+        tensors = len({n for d in distinct(by_rank) for names, _ in d for n in names})
+        sizes = tuple(b.nbytes for b in plan.buckets)
+        outline = Outline(sizes, tuple(b.reader for b in plan.buckets), (0,), tensors)
+        return plan, views, outline
+
+    handed = b""
+    plans = role == "reader" or len(nodes.members) == 1  # one node: every rank plans
+    if not plans:  # what the scatter hands this node, made once, outside the timing
+        _, views, outline = plan_all()
+        handed = pickle.dumps((views[nodes.leader_of[rank]], outline))
+
+    def work() -> dict[str, Any]:
+        if plans:
+            plan = plan_all()[0]
+        else:
+            # the gather's reports, which every rank still receives and holds in the phase
+            reports = [pickle.loads(shared) for shared in gathered]
+            view, outline = pickle.loads(handed)
+            plan = node_plan(outline, view)
+        # the sets of leaders a bucket reaches; this rank makes those it is in, with them alone
+        made = [s for s in leader_sets(group, nodes, plan.receiver_sets) if rank in s]
         # the node's own two (headers, reports), made by its ranks alone; none on the reader's
         # node, which takes its slices out of the page cache
         local = 2 if len(nodes.node_of(rank)) > 1 and rank not in nodes.members[0] else 0
@@ -130,11 +156,9 @@ def _planning(
             looked = len(nodes.local_buckets(rank, plan))
         else:  # the reader's and the leaders' Route.leaders_for of every bucket
             looked = sum(len(nodes.leaders_reached(b.positions)) for b in plan.buckets)
-        return {
-            "groups": len(leader_sets) + local,
-            "over_world": len(leader_sets),
-            "looked": looked,
-        }
+        if not plans:
+            del reports  # held to here, as the load holds them
+        return {"groups": len(made) + local, "between_leaders": len(made), "looked": looked}
 
     return work
 

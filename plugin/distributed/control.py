@@ -19,7 +19,7 @@ import os
 import pickle
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from megastart.distributed.groups import LocalGroup
@@ -77,14 +77,20 @@ class Control:
 
     :param top: the tree's top group, where known (to its ranks and every node leader): its
         ranks hold every report once they have exchanged theirs.
+    :param node: this rank's node, its global ranks ascending (its first leads it).
     """
 
     def __init__(
-        self, groups: Sequence[LocalGroup], top: tuple[int, ...] | None, world: int
+        self,
+        groups: Sequence[LocalGroup],
+        top: tuple[int, ...] | None,
+        world: int,
+        node: tuple[int, ...] = (),
     ) -> None:
         self.groups = tuple(groups)
         self.top = top
         self.world = world
+        self.node = node
 
     @property
     def group_ranks(self) -> list[tuple[int, ...]]:
@@ -113,6 +119,41 @@ class Control:
     def broadcast(self, value: Any, *, timeout_s: float) -> Any:
         """Rank 0's ``value`` (picklable) on every rank; rank 0 leads every group it is in."""
         return pickle.loads(self._down(pickle.dumps(value), timeout_s, top=True))
+
+    def scatter(
+        self, values: Mapping[int, Mapping[int, bytes]] | None, *, timeout_s: float
+    ) -> dict[int, bytes]:
+        """Rank 0's ``values[leader]`` on every rank of ``leader``'s node: each node gets its
+        own, not the others' (``values``: by node leader, on rank 0; ignored elsewhere). A
+        value is made of parts (``{part: bytes}``); a part is the same bytes in every value
+        that holds it.
+
+        Down the tree, each group's leader sends what its group's subtrees need, and each
+        rank keeps its own subtree's part (the leader too, for the groups it leads lower
+        down): a leader the nodes below it (a contiguous range of leaders,
+        :func:`tree_levels`), a node's other ranks their leader's value. A group carries each
+        distinct value once, and each part once, however many values hold it.
+        """
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+        held: _Parts = ({}, [], {})
+        if rank == 0:
+            assert values is not None
+            held = scatter_parts(values)
+        for group in reversed(self.groups):
+            if group.index == 0:
+                if group.ranks == self.node:  # this node's ranks: its own value alone
+                    held = _kept(held, (rank,))
+                _broadcast(group, pickle.dumps(held), timeout_s)
+                held = _kept(held, range(rank, group.ranks[1]))  # the leaders below it
+                continue
+            received = pickle.loads(_broadcast(group, b"", timeout_s))
+            if group.ranks == self.node:
+                return _value(received, group.ranks[0])
+            following = group.ranks[group.index + 1 : group.index + 2]
+            held = _kept(received, range(rank, following[0] if following else self.world))
+        return _value(held, rank)
 
     def _down(self, payload: bytes, timeout_s: float, *, top: bool = False) -> bytes:
         """``payload`` passed down this rank's groups, top first (the tree's top group too if
@@ -163,7 +204,42 @@ def make_control(timeout_s: float, *, fanout: int = FANOUT) -> Control:
         for ranks in its_groups
         if rank in ranks
     ]
-    return Control(groups, top, dist.get_world_size())
+    return Control(groups, top, dist.get_world_size(), members)
+
+
+_Parts = tuple[dict[int, int], list[tuple[int, ...]], dict[int, bytes]]
+"""What :meth:`Control.scatter` passes down: each leader's value (an index), each value's
+parts, and each part's bytes."""
+
+
+def scatter_parts(values: Mapping[int, Mapping[int, bytes]]) -> _Parts:
+    """What rank 0 passes down in :meth:`Control.scatter`: each distinct value (by identity)
+    once, each part once."""
+    distinct: dict[int, int] = {}  # by the value's id
+    pointers = {
+        leader: distinct.setdefault(id(value), len(distinct)) for leader, value in values.items()
+    }
+    objects = {id(value): value for value in values.values()}
+    parts = {part: data for value in objects.values() for part, data in value.items()}
+    return pointers, [tuple(objects[key]) for key in distinct], parts
+
+
+def _kept(held: _Parts, leaders: Sequence[int] | range) -> _Parts:
+    """The part of a :meth:`Control.scatter` payload for ``leaders``: their pointers, the
+    distinct values they point at (renumbered), and those values' parts."""
+    pointers, values, parts = held
+    kept: dict[int, int] = {}
+    renumbered: dict[int, int] = {}
+    for leader, index in pointers.items():
+        if leader in leaders:
+            kept[leader] = renumbered.setdefault(index, len(renumbered))
+    chosen = [values[index] for index in renumbered]
+    return kept, chosen, {part: parts[part] for value in chosen for part in value}
+
+
+def _value(held: _Parts, leader: int) -> dict[int, bytes]:
+    pointers, values, parts = held
+    return {part: parts[part] for part in values[pointers[leader]]}
 
 
 def _add(store: dist.Store, key: str, rank: int) -> None:

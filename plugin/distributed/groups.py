@@ -41,27 +41,50 @@ def destroy_group(group: dist.ProcessGroup | None) -> None:
 
 @dataclass(frozen=True)
 class LocalGroup:
-    """A gloo group made by its own ranks alone, under a prefix of torch.distributed's store:
-    no collective over WORLD (``new_group`` is one, made by every rank), and not registered
-    with torch.distributed, so the host's groups keep their names and counts."""
+    """A group made by its own ranks alone, under a prefix of torch.distributed's store (a
+    ``ProcessGroupGloo``, or a ``ProcessGroupNCCL`` for CUDA tensors): no collective over
+    WORLD (``new_group`` is one, made by every rank), and not registered with
+    torch.distributed, so the host's groups keep their names and counts."""
 
     ranks: tuple[int, ...]
     """Global ranks, ascending."""
     index: int
     """This rank's place in ``ranks``."""
     process_group: Any
-    """Its ``ProcessGroupGloo``."""
+    """Its ``ProcessGroupGloo`` or ``ProcessGroupNCCL``."""
+    backend: str = "gloo"
 
     @classmethod
-    def make(cls, store: dist.Store, ranks: Sequence[int], *, timeout_s: float) -> LocalGroup:
+    def make(
+        cls, store: dist.Store, ranks: Sequence[int], *, timeout_s: float, backend: str = "gloo"
+    ) -> LocalGroup:
         """Made collectively by ``ranks`` (this rank among them) under ``store``, a prefix no
-        other group uses."""
+        other group uses. Gloo connects its ranks here; NCCL at the group's first collective
+        (so ranks that share several groups use them in one order, as they make them)."""
         import torch.distributed as dist
 
         ranks = tuple(sorted(ranks))
         index = ranks.index(dist.get_rank())
         timeout = datetime.timedelta(seconds=timeout_s)
-        return cls(ranks, index, dist.ProcessGroupGloo(store, index, len(ranks), timeout))
+        group: Any
+        if backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            group = dist.ProcessGroupNCCL(store, index, len(ranks), options)
+        elif backend == "gloo":
+            group = dist.ProcessGroupGloo(store, index, len(ranks), timeout)
+        else:
+            raise ValueError(f"a group of megastart's own is gloo or nccl, not {backend!r}")
+        return cls(ranks, index, group, backend)
+
+    def close(self, *, failed: bool) -> None:
+        """Free an NCCL group's communicator now (aborted when ``failed``: an operation may be
+        stuck in it); a gloo group is torn down with its last reference."""
+        if self.backend == "nccl":
+            if failed:
+                self.process_group.abort()
+            else:
+                self.process_group.shutdown()
 
     def broadcast(
         self, tensor: torch.Tensor, src: int, *, timeout_s: float | None = None
@@ -92,12 +115,12 @@ class LocalGroup:
 
 
 class OwnGroups:
-    """The process groups one megastart call makes for itself, destroyed together at its end.
+    """The process groups one megastart call makes for itself (:class:`LocalGroup` s, each
+    made by its own ranks), let go together at its end.
 
-    Used as a context manager. On exit every group is shut down at once, in the
-    order made (the same on every rank), so NCCL frees its communicators there.
-    The C++ teardown that remains is slow for gloo (its event loop is waited on
-    once per connection, about 10 ms each), so a thread of its own drops the
+    Used as a context manager. On exit NCCL groups free their communicators at once
+    (aborted if the call failed). The C++ teardown of gloo's is slow (its event loop is
+    waited on once per connection, about 10 ms each), so a thread of its own drops the
     last references and the call returns without waiting. Keep no reference to
     the groups past the ``with`` block, or that teardown runs wherever the last
     one is dropped.
@@ -105,31 +128,24 @@ class OwnGroups:
 
     def __init__(self, *, timeout_s: float) -> None:
         self.timeout_s = timeout_s
-        self._groups: list[dist.ProcessGroup] = []
         self._local: list[LocalGroup] = []
 
-    def new(self, ranks: Sequence[int] | None, *, backend: str) -> dist.ProcessGroup:
-        """:func:`new_group` (collective over WORLD), destroyed with the others."""
-        group = new_group(ranks, backend=backend, timeout_s=self.timeout_s)
-        self._groups.append(group)
-        return group
-
-    def local(self, store: dist.Store, ranks: Sequence[int]) -> LocalGroup:
-        """:meth:`LocalGroup.make` (collective over ``ranks`` only), dropped with the others."""
-        group = LocalGroup.make(store, ranks, timeout_s=self.timeout_s)
+    def local(
+        self, store: dist.Store, ranks: Sequence[int], *, backend: str = "gloo"
+    ) -> LocalGroup:
+        """:meth:`LocalGroup.make` (collective over ``ranks`` only), let go with the others."""
+        group = LocalGroup.make(store, ranks, timeout_s=self.timeout_s, backend=backend)
         self._local.append(group)
         return group
 
     def __enter__(self) -> OwnGroups:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        groups, self._groups = self._groups, []
+    def __exit__(self, exc_type: object, *exc_info: object) -> None:
+        groups, self._local = self._local, []
         for group in groups:
-            destroy_group(group)
-        dropped = [groups, self._local]
-        self._local = []
-        drop_later(dropped, "megastart-group-teardown")
+            group.close(failed=exc_type is not None)
+        drop_later([groups], "megastart-group-teardown")
 
 
 _dropping: list[threading.Thread] = []

@@ -2,7 +2,9 @@
 
 1. metadata: rank 0 reads ``config.json`` and the safetensors headers, broadcasts them;
 2. plan: every rank maps its parameters to HF tensors and checks shapes; the
-   demands are all-gathered and every rank computes the same buckets;
+   demands are all-gathered and the reader plans the buckets; on several nodes each
+   node takes its view of them from the reader, down the control plane's tree
+   (:func:`~megastart.loader.planning.handed_out`);
 3. stream: each reader reads its group's buckets once; each crosses to every
    other node that needs it once, and every rank copies its shards out of the
    page cache (the reader's node) or its node's shared memory;
@@ -58,11 +60,12 @@ from megastart.loader.plan import demands_once, distinct, packed
 from megastart.loader.planning import (
     RankDemands,
     announce,
+    handed_out,
     known_table,
     plan_buckets,
     transport_backend,
 )
-from megastart.loader.route import open_route
+from megastart.loader.route import Nodes, open_route
 from megastart.loader.settings import PLUGIN, Rank0LoaderSettings
 from megastart.loader.staging import copy_threads
 from megastart.loader.stream import Stream
@@ -264,30 +267,44 @@ def _load(
         raise Untranslatable(untranslatable[0])
     if table is None:  # the bridge decided: what it leaves unread is only named, not refused
         table = known_table(meta)
-    demands = demands_once([r.demands for r in by_rank], meta)
     nodes = [r.node for r in by_rank]
     groups = reader_groups(settings.reader, nodes)
     group = next(g for g in groups if rank in g)
     striped = settings.reader in ("striped", "auto") and len(set(nodes)) > 1
+    group_nodes = Nodes.of([nodes[r] for r in group])
+    # a group of several nodes: its reader plans, and each node takes its buckets from it
+    handed = len(group_nodes.members) > 1
 
+    buckets = None
+    demanded = 0  # checkpoint tensors some rank takes
     with phase(f"{PLUGIN}: planning the buckets"):
-        buckets = plan_buckets(
-            demands,
-            meta,
-            table,
-            settings,
-            groups,
-            group,
-            nodes,
-            striped=striped,
-            checkpoint=checkpoint,
-            strict=settings.strict and bridge is None,
-            value_model=value_model,
-        )
         backend = transport_backend(settings.transport, {r.device for r in by_rank})
-    plan, sets, readers = buckets.plan, buckets.sets, buckets.readers
+        if not handed or rank == group[0]:
+            demands = demands_once([r.demands for r in by_rank], meta)
+            buckets = plan_buckets(
+                demands,
+                meta,
+                table,
+                settings,
+                groups,
+                group,
+                nodes,
+                striped=striped,
+                checkpoint=checkpoint,
+                strict=settings.strict and bridge is None,
+                value_model=value_model,
+            )
+            demanded = len({name for d in distinct(demands) for names, _ in d for name in names})
+    if handed:
+        plan, outline = handed_out(
+            buckets, demanded, group, group_nodes, control, timeout_s=own.timeout_s
+        )
+        readers, demanded = outline.reader_ranks, outline.tensors
+    else:
+        assert buckets is not None
+        plan, readers = buckets.plan, buckets.readers
     left_by_all = tuple(sorted({name for r in by_rank for name in r.left_to_host}))
-    if rank == 0:
+    if rank == 0 and buckets is not None:
         announce(buckets, left_by_all, checkpoint, table, striped=striped, value_model=value_model)
     cached = settings.reader_node == "page_cache" and meta.format == "safetensors"
     coverage = Coverage()
@@ -298,11 +315,11 @@ def _load(
         ) as page,
     ):
         route = open_route(
-            groups,
-            nodes,
-            sets,
+            group,
+            [nodes[r] for r in group],
+            plan.receiver_sets,
             own,
-            page_cache=[cached and r.page_cache for r in by_rank],
+            page_cache=[cached and by_rank[r].page_cache for r in group],
             backend=backend,
             device=device,
             board=board,
@@ -327,7 +344,7 @@ def _load(
         bytes_broadcast=sum(m.bytes_broadcast for m in moved),
         seconds=time.perf_counter() - start,
         reader_ranks=readers,
-        tensors=len({name for d in distinct(demands) for names, _ in d for name in names}),
+        tensors=demanded,
         left_to_host=left_by_all,
     )
 

@@ -1,8 +1,9 @@
 """The plan: every rank's demands, shared and packed into buckets.
 
-Every rank computes the plan from the same inputs (the broadcast checkpoint
-metadata and the all-gathered demands of every rank, :mod:`megastart.loader.needs`),
-so every rank gets the same buckets in the same order, before any bulk transfer.
+The reader computes the plan from the broadcast checkpoint metadata and the
+all-gathered demands of every rank (:mod:`megastart.loader.needs`), before any bulk
+transfer; on several nodes the other ranks take their node's view of it
+(:func:`megastart.loader.planning.handed_out`).
 Nothing here touches torch.distributed: it is plain data in, plain data out,
 testable on names and shapes alone.
 """
@@ -64,8 +65,7 @@ class Plan:
 
     @property
     def receiver_sets(self) -> list[tuple[int, ...]]:
-        """The distinct :attr:`Bucket.positions`, sorted: :func:`receiver_sets` of the demands
-        it was built from, without going through them again."""
+        """The distinct :attr:`Bucket.positions`, sorted."""
         return sorted({bucket.positions for bucket in self.buckets})
 
 
@@ -99,7 +99,7 @@ def build_plan(
     with ``to_reader=False``, buckets reach only the ranks that need them, and
     :func:`~megastart.loader.stripes.stripe` chooses their readers).
 
-    Each bucket holds tensors the same ranks need (:func:`receiver_sets`), so it
+    Each bucket holds tensors the same ranks need (:attr:`Plan.receiver_sets`), so it
     is broadcast to those ranks only: a pipeline stage's tensors do not cross
     the links of the other stages' ranks. Tensors travel in their consumers'
     dtype (in the checkpoint's where consumers disagree), ordered by file and
@@ -144,13 +144,6 @@ def _travels_as(wanted: frozenset[str], stored: str) -> str:
     theirs where they agree, else the checkpoint's."""
     dtypes = {stored if d == AS_STORED else d for d in wanted}
     return next(iter(dtypes)) if len(dtypes) == 1 else stored
-
-
-def receiver_sets(
-    demands_by_rank: Sequence[Sequence[Demand]], *, to_reader: bool = True
-) -> list[tuple[int, ...]]:
-    """The distinct :attr:`Bucket.positions` of the plan for these demands, sorted."""
-    return sorted(set(_consumers(demands_by_rank, to_reader)[1].values()))
 
 
 def _consumers(

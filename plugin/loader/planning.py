@@ -1,5 +1,6 @@
-"""The load's planning phase across ranks: what each rank shares, the buckets every rank
-computes from it, and what rank 0 says about them.
+"""The load's planning phase across ranks: what each rank shares, the buckets the reader
+computes from it, each node's view of them handed down from the reader, and what rank 0
+says about them.
 
 :mod:`megastart.loader.plan` is the plain-data core (demands in, buckets out); this module
 puts it to a load's ranks, reader groups and settings, so that
@@ -9,16 +10,18 @@ puts it to a load's ranks, reader groups and settings, so that
 from __future__ import annotations
 
 import logging
+import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from megastart.distributed import CollectiveError, Control
 from megastart.errors import PlanError, SettingsError
 from megastart.loader.checkpoint import CheckpointMeta
 from megastart.loader.mappings import VALUE_HEAD, MappingTable
 from megastart.loader.model import UnsupportedArchitecture, mapping_table
 from megastart.loader.needs import Demand
-from megastart.loader.plan import Plan, build_plan, receiver_sets, unused_tensors
+from megastart.loader.plan import Bucket, Plan, build_plan, unused_tensors
 from megastart.loader.route import Nodes
 from megastart.loader.settings import PLUGIN, Rank0LoaderSettings
 from megastart.loader.stripes import stripe
@@ -52,8 +55,6 @@ class Buckets:
 
     plan: Plan
     """Its reader group's buckets."""
-    sets: list[list[tuple[int, ...]]]
-    """Per reader group, the distinct sets of positions its buckets reach."""
     readers: tuple[int, ...]
     """The global ranks that read."""
     unused: list[str]
@@ -74,8 +75,8 @@ def plan_buckets(
     strict: bool,
     value_model: bool,
 ) -> Buckets:
-    """The buckets of this rank's reader group, and every group's receiver sets; raises
-    :class:`PlanError` for tensors no rank uses when ``strict``."""
+    """The buckets of this rank's reader group; raises :class:`PlanError` for tensors no rank
+    uses when ``strict``."""
     unused = unused_tensors(demands, meta, table, value_model=value_model)
     if unused and strict:
         raise PlanError(_unused_message(unused, checkpoint, strict=True))
@@ -87,18 +88,99 @@ def plan_buckets(
     )
     if striped:
         plan = stripe(plan, Nodes.of([nodes[r] for r in group]))
-    sets = [  # another node's reader group (reader=node) has a plan this rank does not make
-        plan.receiver_sets
-        if members is group
-        else receiver_sets([demands[r] for r in members], to_reader=not striped)
-        for members in groups
-    ]
     readers = (
         tuple(sorted({group[b.reader] for b in plan.buckets}))
         if striped
         else tuple(g[0] for g in groups)
     )
-    return Buckets(plan, sets, readers, unused)
+    return Buckets(plan, readers, unused)
+
+
+class Outline(NamedTuple):
+    """What every rank of a reader group of several nodes learns of its reader's plan besides
+    its node's buckets (:func:`handed_out`)."""
+
+    sizes: tuple[int, ...]
+    """Every bucket's bytes, in plan order (every leader hears every bucket's header)."""
+    readers: tuple[int, ...]
+    """Every bucket's reader, its position in the group."""
+    reader_ranks: tuple[int, ...]
+    """:attr:`Buckets.readers`."""
+    tensors: int
+    """The checkpoint tensors some rank demands (for the report)."""
+
+
+def node_views(plan: Plan, nodes: Nodes) -> dict[int, dict[int, bytes]]:
+    """Per node (by its leader's position), the buckets its ranks need or its leader reads, by
+    their index in ``plan``, each pickled once for every node (so the scatter copies bytes,
+    it does not pickle a bucket per node): one object per distinct set of buckets (the nodes
+    of one pipeline stage and expert-parallel rank share theirs), in one pass over the plan."""
+    indices: dict[int, list[int]] = {leader: [] for leader in nodes.leaders}
+    reached: dict[int, tuple[int, ...]] = {}  # by the positions' id: one tuple per receiver set
+    for index, bucket in enumerate(plan.buckets):
+        leaders = reached.get(id(bucket.positions)) or reached.setdefault(
+            id(bucket.positions), nodes.leaders_reached(bucket.positions)
+        )
+        for leader in {*leaders, nodes.leader_of[bucket.reader]}:
+            indices[leader].append(index)
+    pickled: dict[int, bytes] = {}
+    views: dict[tuple[int, ...], dict[int, bytes]] = {}
+    for its in indices.values():
+        key = tuple(its)
+        if key not in views:
+            views[key] = {
+                i: pickled.get(i) or pickled.setdefault(i, pickle.dumps(plan.buckets[i]))
+                for i in its
+            }
+    return {leader: views[tuple(its)] for leader, its in indices.items()}
+
+
+def node_plan(outline: Outline, view: dict[int, bytes]) -> Plan:
+    """The reader's plan as a node sees it: its own buckets whole, every other one a bucket of
+    the same size and reader with no slots and no receivers (its header is heard, its bytes
+    never reach this node)."""
+    return Plan(
+        tuple(
+            pickle.loads(view[index]) if index in view else Bucket((), size, (), reader)
+            for index, (size, reader) in enumerate(zip(outline.sizes, outline.readers, strict=True))
+        )
+    )
+
+
+def handed_out(
+    buckets: Buckets | None,
+    tensors: int,
+    group: Sequence[int],
+    nodes: Nodes,
+    control: Control,
+    *,
+    timeout_s: float,
+) -> tuple[Plan, Outline]:
+    """This rank's plan in a reader group of several nodes: the reader's (``buckets``, on the
+    reader, rank 0), or its node's view of it, handed down the control plane's tree
+    (:meth:`~megastart.distributed.Control.scatter`): no other rank plans the group's buckets,
+    and none receives another node's.
+
+    :raises megastart.distributed.CollectiveError: when the tree does not carry it within
+        ``timeout_s`` (a rank died).
+    """
+    import torch.distributed as dist
+
+    values = outline = None
+    if buckets is not None:
+        plan = buckets.plan
+        values = {group[p]: view for p, view in node_views(plan, nodes).items()}
+        sizes = tuple(b.nbytes for b in plan.buckets)
+        outline = Outline(sizes, tuple(b.reader for b in plan.buckets), buckets.readers, tensors)
+    try:  # the buckets are the parts: one a stage's nodes all need crosses each group once
+        view = control.scatter(values, timeout_s=timeout_s)
+        outline = control.broadcast(outline, timeout_s=timeout_s)
+    except Exception as e:
+        raise CollectiveError(
+            f"{PLUGIN}: handing each node its buckets (rank {dist.get_rank()}): {e}"
+        ) from e
+    assert outline is not None
+    return (buckets.plan if buckets is not None else node_plan(outline, view)), outline
 
 
 def announce(

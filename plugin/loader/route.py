@@ -4,7 +4,9 @@ A reader group (every rank with ``reader=global``, one node with ``reader=node``
 is split into its nodes (:func:`~megastart.distributed.node_key`). Each
 node's lowest rank leads it; the reader leads its own node. A bucket crosses
 to each other node that needs it once, broadcast among the leaders that need
-it; inside a node it is written once into the leader's shared-memory buffers
+it, in a group those leaders make alone under a prefix of the load's store (NCCL
+for CUDA, gloo for CPU; no collective over WORLD, nothing registered with
+torch.distributed); inside a node it is written once into the leader's shared-memory buffers
 (:mod:`megastart.loader.shm`), and every local rank copies its own slices out
 of them, in parallel, with no socket. Small per-bucket headers ("bucket in
 buffer *s*", or the reader's error) go over a gloo group of the node, and a
@@ -29,7 +31,7 @@ from typing import TYPE_CHECKING
 from megastart.distributed import Board, LocalGroup, OwnGroups
 from megastart.loader.node import NodeBoard
 from megastart.loader.plan import Plan
-from megastart.loader.transport import Channel, open_receiver_groups
+from megastart.loader.transport import Channel, open_leader_groups
 
 if TYPE_CHECKING:
     import torch
@@ -134,30 +136,25 @@ class Route:
         return self.nodes.local_buckets(self.position, plan)
 
 
-def group_sets(
-    groups: Sequence[Sequence[int]],
-    nodes: Sequence[Nodes],
-    receiver_sets: Sequence[Sequence[tuple[int, ...]]],
+def leader_sets(
+    group: Sequence[int], nodes: Nodes, receiver_sets: Sequence[tuple[int, ...]]
 ) -> list[tuple[int, ...]]:
-    """The global ranks of every group between node leaders the stream makes (each
-    ``new_group`` a collective over WORLD, made by every rank): per reader group of several
-    nodes, one of all its leaders and one per other set of several leaders a bucket reaches.
-    A bucket no other node needs goes to no group. (A node's own two groups are made by its
-    ranks alone, :class:`~megastart.distributed.LocalGroup`.)"""
-    leader_sets: list[tuple[int, ...]] = []
-    for group, its_nodes, sets in zip(groups, nodes, receiver_sets, strict=True):
-        if len(its_nodes.members) > 1:
-            everyone = tuple(group[p] for p in its_nodes.leaders)
-            reached = {tuple(group[p] for p in its_nodes.leaders_reached(s)) for s in sets}
-            several = {ranks for ranks in reached if len(ranks) > 1}
-            leader_sets += [everyone, *sorted(several - {everyone})]
-    return leader_sets
+    """The global ranks of every group between node leaders that a reader group's stream
+    uses, in the one order every leader makes its own: all its leaders first, then each other
+    set of several leaders a bucket reaches, ascending. None for a reader group of one node;
+    a bucket no other node needs goes to no group. Each group is made by its leaders alone
+    (:func:`~megastart.loader.transport.open_leader_groups`), as is a node's own two."""
+    if len(nodes.members) == 1:
+        return []
+    everyone = tuple(group[p] for p in nodes.leaders)
+    reached = {tuple(group[p] for p in nodes.leaders_reached(s)) for s in receiver_sets}
+    return [everyone, *sorted({ranks for ranks in reached if len(ranks) > 1} - {everyone})]
 
 
 def open_route(
-    groups: list[list[int]],
+    group: list[int],
     node_keys: Sequence[object],
-    receiver_sets: list[list[tuple[int, ...]]],
+    receiver_sets: Sequence[tuple[int, ...]],
     own: OwnGroups,
     *,
     page_cache: Sequence[bool],
@@ -167,16 +164,18 @@ def open_route(
     page: NodeBoard | None,
     striped: bool = False,
 ) -> Route:
-    """Open every process group the stream needs (collective over WORLD for the groups between
-    node leaders; over the node's ranks for its own); this rank's route.
+    """Open every group this rank's part of the stream needs, each made by its own ranks alone
+    (the groups between node leaders by those leaders, a node's by its ranks): no collective
+    over WORLD; this rank's route.
 
-    :param groups: global ranks of every reader group, the reader first.
-    :param node_keys: every global rank's node key.
-    :param receiver_sets: per reader group, the distinct :attr:`Bucket.positions` of its plan.
-    :param page_cache: per global rank, whether it may take its slices out of the page
+    :param group: global ranks of this rank's reader group, the reader first.
+    :param node_keys: the node key of each rank of ``group``, in its order.
+    :param receiver_sets: the distinct :attr:`Bucket.positions` of the group's plan.
+    :param page_cache: per rank of ``group``, whether it may take its slices out of the page
         cache; a reader's node does if all its ranks may (never with striped readers).
     :param backend: the backend between node leaders.
-    :param board: the load's board, which every channel's waits watch.
+    :param board: the load's board, which every channel's waits watch (its store holds the
+        groups' prefixes).
     :param page: this rank's node's page of the board (:func:`~megastart.loader.node.node_board`).
     :param striped: each bucket is read by a leader of a node that needs it
         (``receiver_sets`` without the reader, :func:`~megastart.loader.stripes.stripe`).
@@ -184,20 +183,12 @@ def open_route(
     import torch
     import torch.distributed as dist
 
-    rank = dist.get_rank()
-    nodes = [Nodes.of([node_keys[r] for r in group]) for group in groups]
-    cached = [
-        not striped and all(page_cache[group[p]] for p in its_nodes.members[0])
-        for group, its_nodes in zip(groups, nodes, strict=True)
-    ]
-    between = open_receiver_groups(group_sets(groups, nodes, receiver_sets), own, backend=backend)
-
-    index = next(i for i, group in enumerate(groups) if rank in group)
-    group, its_nodes = groups[index], nodes[index]
-    position = group.index(rank)
+    nodes = Nodes.of(node_keys)
+    position = group.index(dist.get_rank())
+    cached = not striped and all(page_cache[p] for p in nodes.members[0])
     route = Route(
         group,
-        its_nodes,
+        nodes,
         position,
         device,
         leaders=None,
@@ -205,14 +196,15 @@ def open_route(
         done=None,
         board=board,
         page=page,
-        page_cache=cached[index] and position in its_nodes.members[0],
+        page_cache=cached and position in nodes.members[0],
         striped=striped,
     )
     mine = tuple(group[p] for p in route.node)
-    if len(its_nodes.members) > 1 and route.leads:
+    if len(nodes.members) > 1 and route.leads:
         wire = device if backend == "nccl" else torch.device("cpu")
-        everyone = tuple(group[p] for p in its_nodes.leaders)
-        route.leaders = Channel(between[everyone], group[0], wire, between, board)
+        sets = [s for s in leader_sets(group, nodes, receiver_sets) if mine[0] in s]
+        between = open_leader_groups(sets, own, board.store, backend=backend)
+        route.leaders = Channel(between[sets[0]], group[0], wire, between, board)
     if len(mine) > 1 and not route.page_cache:  # the node's two groups, made by its ranks alone
         sender = "the reader" if mine[0] == group[0] and not striped else "the node leader"
         node = dist.PrefixStore(f"node/{mine[0]}/", board.store)

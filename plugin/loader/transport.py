@@ -38,6 +38,7 @@ sends the error, so no rank is left waiting on a payload that never comes.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import queue
 import threading
@@ -83,35 +84,45 @@ def reader_groups(reader: str, keys: Sequence[tuple[str, int]]) -> list[list[int
     return sorted(by_node.values())
 
 
-def open_receiver_groups(
-    receiver_sets: list[tuple[int, ...]], own: OwnGroups, *, backend: str
-) -> dict[tuple[int, ...], dist.ProcessGroup]:
-    """A process group per set of global ranks (collective over WORLD); this rank's, by set.
+def open_leader_groups(
+    leader_sets: Sequence[tuple[int, ...]], own: OwnGroups, store: dist.Store, *, backend: str
+) -> dict[tuple[int, ...], LocalGroup]:
+    """A group of ``backend`` per set of global ranks, made by its ranks alone under
+    ``store`` (the load's): no collective over WORLD, nothing registered with
+    torch.distributed. This rank's groups, by set.
 
-    Every rank passes the same sets of several ranks (``route.group_sets``) in the same order.
+    Pass the sets this rank is in, in the order every rank that makes them sees them
+    (:func:`~megastart.loader.route.leader_sets`): each rank makes its sets in one total
+    order, so no two ranks wait on each other's next group.
     """
     import torch.distributed as dist
 
-    mine = {}
-    for ranks in receiver_sets:
-        group = own.new(ranks, backend=backend)
-        if dist.get_rank() in ranks:
-            mine[ranks] = group
-    return mine
+    return {
+        ranks: own.local(
+            dist.PrefixStore(f"leaders/{_set_key(ranks)}/", store), ranks, backend=backend
+        )
+        for ranks in leader_sets
+    }
+
+
+def _set_key(ranks: tuple[int, ...]) -> str:
+    """A short key of its own for a set of ranks (a stage's leaders are thousands of digits)."""
+    return hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:20]
 
 
 @dataclass(slots=True)
 class Channel:
     """Broadcasts of one reader group: headers to all of it, payloads to a bucket's ranks."""
 
-    group: dist.ProcessGroup | LocalGroup
-    """The loader's process group over the whole reader group (or a node): headers and errors."""
+    group: LocalGroup
+    """The loader's group over every node leader of the reader group (or a node's ranks):
+    headers and errors."""
     src: int
     """Global rank of the group's reader."""
     device: torch.device
     """Where the collective's buffers live (CUDA for NCCL, CPU for gloo)."""
-    receivers: dict[tuple[int, ...], dist.ProcessGroup]
-    """The process groups this rank is in, by their global ranks (the reader first)."""
+    receivers: dict[tuple[int, ...], LocalGroup]
+    """The groups between node leaders this rank is in, by their global ranks."""
     board: Board
     """The load's board: where failures are announced and waits look."""
     sender: str = "the reader"
@@ -230,13 +241,9 @@ class Channel:
         header[0], header[1], header[2] = status, nbytes, buffer
         return header
 
-    def _broadcast(self, tensor: torch.Tensor, group: dist.ProcessGroup | LocalGroup) -> Any:
+    def _broadcast(self, tensor: torch.Tensor, group: LocalGroup) -> Any:
         """Start broadcasting ``tensor`` from the sender over ``group``; the work in flight."""
-        import torch.distributed as dist
-
-        if isinstance(group, LocalGroup):
-            return group.broadcast(tensor, self.src)
-        return dist.broadcast(tensor, src=self.src, group=group, async_op=True)
+        return group.broadcast(tensor, self.src)
 
 
 Fetched = TypeVar("Fetched")

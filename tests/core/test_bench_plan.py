@@ -61,15 +61,16 @@ def test_bench_plan_world_reports_each_role(tmp_path: Path) -> None:
     results = json.loads(out.read_text())
     assert results["world"] == 64 and results["demands_mb"] > 0
     assert list(results["roles"]) == ["reader", "leader", "member"]
-    assert [r["rank"] for r in results["roles"].values()] == [0, 8, 1]
+    assert [r["rank"] for r in results["roles"].values()] == [0, 8, 9]
     for figures in results["roles"].values():
         assert figures["plan_s"] > 0 and figures["plan_mb"] > 0
-        # per load, each made by every rank: a group among the 8 leaders, and the sets of
-        # leaders the buckets reach
-        assert figures["over_world"] > 1
-    # and their node's own two, made by its ranks alone (none on the node of ranks 0 and 1,
-    # the reader's, which takes its slices out of the page cache)
-    assert [r["groups"] - r["over_world"] for r in results["roles"].values()] == [0, 2, 0]
+    # per load, made by the leaders alone: the group of the 8 leaders and the sets of leaders
+    # the buckets reach that hold it (the reader is in every one); a member is in none
+    between = [r["between_leaders"] for r in results["roles"].values()]
+    assert between[0] > between[1] >= 1 and between[2] == 0
+    # and their node's own two, made by its ranks alone (none on the reader's node, which
+    # takes its slices out of the page cache)
+    assert [r["groups"] - r["between_leaders"] for r in results["roles"].values()] == [0, 2, 2]
     # the control plane: each node's group, and one of the 8 leaders (rank 0 and 8 are in it)
     assert [r["control_groups"] for r in results["roles"].values()] == [2, 2, 1]
     assert results["control"]["groups"] == 8 + 1 and results["control"]["largest"] == 8

@@ -42,7 +42,8 @@ def test_nodes_of_one_rank_climb_straight_to_the_leaders_groups() -> None:
 
 def exchange(ranks_per_node: int, fanout: int) -> dict[str, Any]:
     """Make a control plane on simulated nodes of ``ranks_per_node`` (through ``LOCAL_RANK``),
-    then gather every rank's report and broadcast rank 0's value over it."""
+    then gather every rank's report, broadcast rank 0's value and scatter rank 0's value for
+    each node over it (the last two nodes share one value, which shares a part with node 0's)."""
     import os
 
     import torch.distributed as dist
@@ -54,7 +55,12 @@ def exchange(ranks_per_node: int, fanout: int) -> dict[str, Any]:
     os.environ["LOCAL_RANK"] = str(rank % ranks_per_node)
     registered = _world.group_count
     control = make_control(30.0, fanout=fanout)
+    leaders = list(range(0, dist.get_world_size(), ranks_per_node))
+    shared = {-1: b"the last nodes' value", 0: b"node 0"}  # parts: node 0's too
+    values = {leader: {leader: f"node {leader}".encode()} for leader in leaders[:-2]}
+    values |= {leader: shared for leader in leaders[-2:]}
     return {
+        "scattered": control.scatter(values if rank == 0 else None, timeout_s=30.0),
         "groups": control.group_ranks,
         "gathered": control.gather({"rank": rank, "text": "x" * rank}, timeout_s=30.0),
         "broadcast": control.broadcast(f"from rank {rank}", timeout_s=30.0),
@@ -83,12 +89,26 @@ def test_every_rank_hears_every_report_through_a_tree_of_nodes_and_leaders(six: 
         assert result["gathered"] == expected
         assert result["broadcast"] == "from rank 0"
         assert result["registered"] == 0  # the host's group names and counts are untouched
+    # each node's ranks get their leader's value, the last two nodes the one they share
+    shared = {-1: b"the last nodes' value", 0: b"node 0"}
+    assert [r["scattered"] for r in results] == [{0: b"node 0"}] * 2 + [shared] * 4
+
+
+def test_a_scatter_down_three_levels_gives_each_node_its_own_value(six: RankPool) -> None:
+    """Nodes of one rank, two leaders a group: (0, 1) (2, 3) (4, 5), then (0, 2), then (0, 4);
+    each leader keeps the part of the leaders below it."""
+    results = six.run(exchange, 1, 2)
+    assert results[0]["groups"] == [(0, 1), (0, 2), (0, 4)]
+    shared = {-1: b"the last nodes' value", 0: b"node 0"}
+    own = [{r: f"node {r}".encode()} for r in range(4)]
+    assert [r["scattered"] for r in results] == [*own, shared, shared]
 
 
 def test_on_one_node_the_tree_is_the_nodes_group(six: RankPool) -> None:
     results = six.run(exchange, 6, 32)
     assert [r["groups"] for r in results] == [[tuple(range(6))]] * 6
     assert all(r["gathered"][5] == {"rank": 5, "text": "xxxxx"} for r in results)
+    assert all(r["scattered"] == {-1: b"the last nodes' value", 0: b"node 0"} for r in results)
 
 
 def test_a_world_of_one_gathers_and_broadcasts_its_own_value() -> None:

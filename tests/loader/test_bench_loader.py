@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from megastart.cli import main
 
@@ -140,6 +141,7 @@ def test_readers_run_megastart_once_per_reader_each_reading_the_checkpoint_once(
         "--strategies=megastart",
         "--readers=global,striped",
         "--read-gbps=1",
+        "--transport=gloo",
         "--page-cache=warm",
     )
     rows = results["strategies"]
@@ -150,3 +152,30 @@ def test_readers_run_megastart_once_per_reader_each_reading_the_checkpoint_once(
     assert results["read_gbps"] == 1
     assert "--read-gbps 1: every process's reads" in table
     assert set(results["targets"]) >= {"striped_vs_global", "striped_bytes_read"}
+    assert "NCCL" not in table  # its limit is measured with --transport nccl only
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.parametrize(
+    ("device", "refusal"),
+    [
+        ("cpu", "--transport nccl needs --device cuda"),
+        ("cuda", "--transport nccl needs CUDA, and this machine has none"),
+    ],
+)
+def test_nccl_transport_is_refused_before_any_rank_starts_where_it_cannot_run(
+    device: str, refusal: str
+) -> None:
+    with pytest.raises(SystemExit, match=refusal):
+        main(
+            [
+                "bench",
+                "loader",
+                "--ranks=2",
+                "--tp=1",
+                "--pp=2",
+                "--ranks-per-node=1",
+                f"--device={device}",
+                "--transport=nccl",
+            ]
+        )

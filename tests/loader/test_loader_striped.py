@@ -14,7 +14,13 @@ from typing import Any
 
 import pytest
 import torch
-from support.loader_ranks import load_parameters_as_nodes, load_with_failing_reads
+from support.loader_ranks import (
+    load_parameters_as_nodes,
+    load_while_a_rank_dies,
+    load_with_failing_reads,
+)
+
+from megastart.harness.launch import RankFailure, RankPool
 
 CASES: dict[str, tuple[str, dict[str, Any], int, dict[str, int], int]] = {
     # id: (arch, checkpoint overrides, world, layout, ranks per node)
@@ -95,6 +101,29 @@ def test_a_reader_failing_on_another_node_reaches_every_rank(
     assert messages[0].startswith("CollectiveError: rank0_loader: streaming")
     assert "reader rank 2 failed: OSError" in messages[0] or "failed on rank 2" in messages[0]
     assert "Input/output error" in messages[0]
+
+
+def test_a_striped_reader_killed_mid_stream_fails_every_rank_of_both_nodes_within_the_bound(
+    checkpoints: Any,
+) -> None:
+    """The leader of the second node (rank 2), a reader, exits while it copies its second
+    bucket: the reader of the first node and both nodes' other ranks raise one error, named,
+    within the bound, whatever they were waiting on (a broadcast from it, their node's page)."""
+    directory = checkpoints("llama", {"tie_word_embeddings": False})
+    timeout_s = 5.0
+    layout, striped = {"tp": 2, "pp": 2}, {"reader": "striped"}
+    with RankPool(4, timeout_s=120, grace_s=3 * timeout_s) as pool:
+        pool.run(load_parameters_as_nodes, directory, layout, 2, striped)  # imports done
+        start = time.monotonic()
+        with pytest.raises(RankFailure) as failure:
+            pool.run(load_while_a_rank_dies, directory, layout, 2, timeout_s, 2, striped)
+        elapsed = time.monotonic() - start
+    message = str(failure.value)
+    assert "ranks that died: 2 (exit code 7)" in message
+    for rank in (0, 1, 3):
+        assert f"--- rank {rank} raised" in message
+    assert message.count("CollectiveError: rank0_loader: streaming") == 3
+    assert elapsed < 3 * timeout_s + 10
 
 
 def test_a_striped_plan_of_8192_ranks_reads_each_bucket_once_on_a_node_that_needs_it() -> None:

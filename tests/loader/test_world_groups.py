@@ -1,36 +1,71 @@
 """The process groups a load makes at 8,192 ranks (Qwen3-235B-A22B, TP4 x PP8 x EP64, 1,024
 nodes of 8), computed from every rank's demands as the ranks make them, without starting a
-process: which groups are collectives over the world, and which each node makes alone."""
+process: which groups between node leaders each rank makes, and with whom, from the whole
+plan (the reader) and from its node's view of it (every other leader)."""
 
 from __future__ import annotations
 
 from megastart.bench.synthetic import MODELS, Layout, synthetic_checkpoint, world_demands
 from megastart.distributed import tree_levels
 from megastart.loader.plan import build_plan
-from megastart.loader.route import Nodes, group_sets
+from megastart.loader.planning import Outline, node_plan, node_views
+from megastart.loader.route import Nodes, leader_sets
 
 
-def test_at_8192_ranks_only_sets_of_node_leaders_are_made_over_the_world() -> None:
+def test_at_8192_ranks_each_group_between_leaders_is_made_by_its_leaders_alone() -> None:
     config = MODELS["qwen3-235b-a22b"]
     meta = synthetic_checkpoint(config)
     demands = world_demands(config, meta, Layout(4, 8, 64), 8192)
     plan = build_plan(demands, meta, bucket_bytes=32 * 2**20)
     nodes = Nodes.of([rank // 8 for rank in range(8192)])
     world = list(range(8192))
-    leader_sets = group_sets([world], [nodes], [plan.receiver_sets])
+    sets = leader_sets(world, nodes, plan.receiver_sets)
 
-    # every rank makes these, each a collective over the world: all 1,024 leaders first,
-    # then one per other set of several leaders a bucket reaches; no other rank is in one
-    assert leader_sets[0] == tuple(range(0, 8192, 8))
-    assert len(set(leader_sets)) == len(leader_sets) <= 300
-    assert all(rank % 8 == 0 for ranks in leader_sets for rank in ranks)
+    # all 1,024 leaders first, then one per other set of several leaders a bucket reaches;
+    # only node leaders are in one
+    assert sets[0] == tuple(range(0, 8192, 8))
+    assert sets[1:] == sorted(set(sets[1:])) and sets[0] not in sets[1:]
+    assert all(rank % 8 == 0 for ranks in sets for rank in ranks)
     reached = {tuple(nodes.leaders_reached(b.positions)) for b in plan.buckets}
-    assert {ranks for ranks in reached if len(ranks) > 1} <= set(leader_sets)
+    assert {ranks for ranks in reached if len(ranks) > 1} <= set(sets)
+
+    # what each rank makes (open_route): the sets it is in, in that order; a member none
+    made = {rank: [s for s in sets if rank in s] for rank in world}
+    assert all(made[rank] == [] for rank in world if rank % 8)
+    assert all(made[rank][0] == sets[0] for rank in range(0, 8192, 8))
+    # a group is made by exactly its own ranks: nothing over the world, nobody else waits
+    makers: dict[tuple[int, ...], list[int]] = {}
+    for rank, its in made.items():
+        for ranks in its:
+            makers.setdefault(ranks, []).append(rank)
+    assert all(makers[ranks] == list(ranks) for ranks in sets)
     # a bucket reaches the nodes of one pipeline stage (1,024 ranks, 128 nodes) and the
-    # reader's, or, an expert's, the 4 nodes of its expert-parallel rank and the reader's
-    sizes = [len(ranks) for ranks in leader_sets[1:]]
+    # reader's, or, an expert's, the 4 nodes of its expert-parallel rank and the reader's:
+    # the reader is in every group, a stage's leader in a few
+    assert made[0] == sets
+    assert max(len(made[rank]) for rank in range(8, 8192, 8)) <= 0.1 * len(sets)
+    sizes = [len(ranks) for ranks in sets[1:]]
     assert max(sizes) <= 128 + 1
     assert sum(size <= 4 + 1 for size in sizes) >= 0.9 * len(sizes)
+
+    # no leader plans: each takes its node's view from the reader, and makes from it alone
+    # exactly the groups above, in the same order; its node's ranks take the same buckets
+    views = node_views(plan, nodes)
+    outline = Outline(
+        tuple(b.nbytes for b in plan.buckets), tuple(b.reader for b in plan.buckets), (0,), 0
+    )
+    # one view per stage and pair of expert-parallel ranks (a node's 8 ranks: TP4 x 2 EP
+    # ranks), shared by its nodes; the reader's node needs every bucket, and sees them all
+    assert len({id(view) for view in views.values()}) == 8 * 64 // 2 + 1
+    assert len(views[0]) == len(plan.buckets)
+    for leader in (8, 16, 4096, 8184):
+        view = node_plan(outline, views[leader])
+        assert [b.nbytes for b in view.buckets] == [b.nbytes for b in plan.buckets]
+        assert len(views[leader]) < len(plan.buckets) // 4  # its stage's or experts' buckets
+        mine = [s for s in leader_sets(world, nodes, view.receiver_sets) if leader in s]
+        assert mine == made[leader]
+        for member in range(leader + 1, leader + 8):
+            assert nodes.local_buckets(member, view) == nodes.local_buckets(member, plan)
 
     # the control plane's groups: made once per process, none over more than 32 ranks
     tree = [group for level in tree_levels(nodes.members) for group in level]

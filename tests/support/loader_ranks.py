@@ -297,30 +297,31 @@ def load_counting_received_bytes(
 ) -> tuple[int, int, Any]:
     """This rank's pipeline stage, the bucket bytes broadcast to it, and the load report.
 
-    Counts the ``uint8`` payloads of ``torch.distributed.broadcast`` calls this
-    rank does not send (the real broadcast still runs).
+    Counts the ``uint8`` payloads of the loader's broadcasts (:class:`Channel`, over its
+    groups between node leaders and inside a node) this rank does not send (the real
+    broadcast still runs).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     from megastart import load_hf_checkpoint
+    from megastart.loader.transport import Channel
 
-    original = dist.broadcast
+    original = Channel._broadcast
     received = [0]
 
-    def counting(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        src = kwargs["src"] if "src" in kwargs else args[0]
-        if src != dist.get_rank() and tensor.dtype == torch.uint8:
+    def counting(self: Channel, tensor: torch.Tensor, group: Any) -> Any:
+        if self.src != dist.get_rank() and tensor.dtype == torch.uint8:
             received[0] += tensor.nbytes
-        return original(tensor, *args, **kwargs)
+        return original(self, tensor, group)
 
     with simulated_nodes(ranks_per_node), megatron(layout):
         chunks = build(checkpoint)
-        dist.broadcast = counting
+        Channel._broadcast = counting  # type: ignore[method-assign]
         try:
             report = load_hf_checkpoint(chunks, checkpoint, settings=settings())
         finally:
-            dist.broadcast = original
+            Channel._broadcast = original  # type: ignore[method-assign]
         return parallel_state.get_pipeline_model_parallel_rank(), received[0], report
 
 
