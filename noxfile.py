@@ -47,8 +47,7 @@ machines use (the CPU torch is on a find-links folder, other wheels on extra ind
 
 def pip_config_for_uv() -> dict[str, str]:
     """pip's configuration (files and PIP_* variables, as ``pip config list`` shows it) as
-    uv's variables, so that uv installs from where pip would. Variables already set win;
-    ``unsafe-best-match`` is pip's rule: the best version across every index."""
+    uv's variables, so that uv installs from where and as pip would. Variables already set win."""
     listed = subprocess.run(
         [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True
     ).stdout
@@ -58,7 +57,10 @@ def pip_config_for_uv() -> dict[str, str]:
         uv = PIP_TO_UV.get(key.rpartition(".")[2])
         if uv:
             found[uv[0]] = uv[1].join(value.strip("'\"").split())
-    return {"UV_INDEX_STRATEGY": "unsafe-best-match", **found}
+    # pip's rule: the best version across every index; and pip's bytecode at install: without
+    # it a fresh environment's first rank pool compiles torch in every rank at once, and under
+    # load overruns its 60 s start (tests/core/test_board.py)
+    return {"UV_INDEX_STRATEGY": "unsafe-best-match", "UV_COMPILE_BYTECODE": "1", **found}
 
 
 for _name, _value in pip_config_for_uv().items():
