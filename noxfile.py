@@ -4,7 +4,7 @@ Every session installs the CPU build ``torch==2.13.0`` first: a bare ``torch``
 requirement would pull a multi-GB CUDA build.
 
 Environments are made and filled by uv where it is installed (``pip install nox uv``; CI does),
-else by virtualenv and pip: uv installs the same packages two to three times faster. uv does not
+else by virtualenv and pip: uv installs the same packages faster (CONTRIBUTING.md). uv does not
 read pip's configuration, so pip_config_for_uv below hands it pip's indexes and find-links.
 """
 
