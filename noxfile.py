@@ -2,6 +2,10 @@
 
 Every session installs the CPU build ``torch==2.13.0`` first: a bare ``torch``
 requirement would pull a multi-GB CUDA build.
+
+Environments are made and filled by uv where it is installed (``pip install nox uv``; CI does),
+else by virtualenv and pip: uv installs the same packages faster (CONTRIBUTING.md). uv does not
+read pip's configuration, so pip_config_for_uv below hands it pip's indexes and find-links.
 """
 
 from __future__ import annotations
@@ -9,12 +13,15 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 
 import nox
 
 nox.options.sessions = ["lint", "tests", "megatron", "verl", "bridge", "verl07", "areal"]
 nox.options.reuse_existing_virtualenvs = True
+nox.options.default_venv_backend = "uv|virtualenv"
 
 PYTHON = "3.11"
 TORCH = "torch==2.13.0"
@@ -23,6 +30,63 @@ DISCARD_ENVS = "NOX_DISCARD_ENVS"
 """Set to 1 (CI does) to remove each session's environment when the session ends,
 pass or fail: together they take about 18 GB, more than a CI machine has had free.
 Not ``MEGASTART_*``: megastart refuses variables of its prefix that it does not know."""
+
+
+PIP_TO_UV = {
+    "index-url": ("UV_INDEX_URL", " "),
+    "extra-index-url": ("UV_EXTRA_INDEX_URL", " "),
+    "find-links": ("UV_FIND_LINKS", ","),
+    "constraint": ("UV_CONSTRAINT", " "),
+    "cert": ("SSL_CERT_FILE", " "),
+    "default-timeout": ("UV_HTTP_TIMEOUT", " "),
+    "no-cache-dir": ("UV_NO_CACHE", " "),
+}
+"""pip's setting -> uv's variable and its list separator, for the settings this project's
+machines use (the CPU torch is on a find-links folder, other wheels on extra indexes)."""
+
+
+def pip_config_for_uv() -> dict[str, str]:
+    """pip's configuration (files and PIP_* variables, as ``pip config list`` shows it) as
+    uv's variables, so that uv installs from where and as pip would. Variables already set win."""
+    listed = subprocess.run(
+        [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True
+    ).stdout
+    found: dict[str, str] = {}
+    for line in sorted(listed.splitlines(), key=lambda line: line.startswith(":env:")):
+        key, _, value = line.partition("=")
+        uv = PIP_TO_UV.get(key.rpartition(".")[2])
+        if uv:
+            found[uv[0]] = uv[1].join(value.strip("'\"").split())
+    # pip's rule: the best version across every index; and pip's bytecode at install: without
+    # it a fresh environment's first rank pool compiles torch in every rank at once, and under
+    # load overruns its 60 s start (tests/core/test_board.py)
+    return {"UV_INDEX_STRATEGY": "unsafe-best-match", "UV_COMPILE_BYTECODE": "1", **found}
+
+
+for _name, _value in pip_config_for_uv().items():
+    os.environ.setdefault(_name, _value)
+
+
+def pip_install(session: nox.Session, *args: str) -> None:
+    """pip itself, for what uv cannot do: ``--ignore-requires-python`` (megatron-core 0.17+
+    and Megatron-Bridge declare Python >= 3.12, and these sessions run 3.11)."""
+    if session.venv_backend == "uv":
+        session.install("pip")
+    session.run_install("python", "-m", "pip", "install", "-q", *args)
+
+
+def reinstall(session: nox.Session, *args: str) -> None:
+    """``session.install`` of local projects as wheels; uv keeps an installed project's
+    old build in a reused environment unless told to rebuild it."""
+    local = ("megastart", *(f"megastart-{probe}-probe" for probe in ("verl", "areal")))
+    rebuilt = [f"--reinstall-package={name}" for name in local]
+    session.install(*(rebuilt if session.venv_backend == "uv" else ()), *args)
+
+
+def uninstall(session: nox.Session, *packages: str) -> None:
+    """Remove packages from the session's environment, with uv or pip as it was made."""
+    tool = ("uv", "pip") if session.venv_backend == "uv" else ("python", "-m", "pip")
+    session.run_install(*tool, "uninstall", *(() if tool[0] == "uv" else ("-y", "-q")), *packages)
 
 
 def session(func: Callable[..., None]) -> Callable[..., None]:
@@ -62,7 +126,8 @@ def tests(session: nox.Session) -> None:
     session.install("-e", "tests/fixtures/toyplugin")
     # tests/gpu needs a GPU and Transformer Engine: tests/gpu/run on the GPU machine
     ignored = ("--ignore=tests/hosts", "--ignore=tests/gpu")
-    session.run("pytest", *(session.posargs or ["tests", *ignored, "-q"]))
+    # the slowest tests, in CI's log: the suite takes most of CI's time
+    session.run("pytest", *(session.posargs or ["tests", *ignored, "-q", "--durations=25"]))
 
 
 MEGATRON_CORES = ("0.17.1", "0.18.2", "0.19.2")
@@ -83,11 +148,12 @@ MEGATRON_SUBSET = (
 def megatron(session: nox.Session, core: str) -> None:
     """The loader's logits and the warmup's group table on one megatron-core release.
 
-    0.17 and later declare Python >= 3.12 and install on 3.11 without their CUDA
-    requirements, with numpy below 2.5 and triton, which they import.
+    0.17 and later declare Python >= 3.12 and install on 3.11 (by pip) without their
+    requirements, which go in after: numpy below 2.5, packaging, and triton, which they import.
     """
     session.install(TORCH)
-    session.install("--ignore-requires-python", f"megatron-core=={core}", "numpy<2.5", "triton")
+    pip_install(session, "--ignore-requires-python", "--no-deps", f"megatron-core=={core}")
+    session.install(TORCH, "numpy<2.5", "packaging>=24.2", "triton")
     session.install(TORCH, "-e", ".", "pytest", "transformers")  # what the subset imports
     session.run("pytest", *(session.posargs or [*MEGATRON_SUBSET, "-q"]))
 
@@ -131,12 +197,12 @@ def verl(session: nox.Session) -> None:
     session.install(TORCH)
     # a reused environment still holds the second step's Megatron-Bridge, which the first
     # step's megatron-core 0.16.1 cannot import (its tests would run instead of skipping)
-    session.run("python", "-m", "pip", "uninstall", "-y", "-q", "megatron-bridge")
+    uninstall(session, "megatron-bridge")
     session.install(VERL, MEGATRON, "uvicorn", "fastapi", "mbridge", "einops", *MODELOPT_NEEDS)
-    session.install(".[test,hydra]", "tests/fixtures/verl_probe")
+    reinstall(session, ".[test,hydra]", "tests/fixtures/verl_probe")
     session.run("pytest", *(session.posargs or ["tests/hosts/verl", "-x", "-q"]))
     session.run("pytest", *LIBRARY_TESTS, "-x", "-q")
-    session.install("--ignore-requires-python", "--no-deps", *VERL_BRIDGE)
+    pip_install(session, "--ignore-requires-python", "--no-deps", *VERL_BRIDGE)
     session.install(TORCH, "numpy<2.5", "triton")
     session.run("pytest", *VERL_BRIDGE_TESTS, "-x", "-q")
     session.run("pytest", *BRIDGE_TESTS, "-x", "-q")
@@ -162,8 +228,8 @@ def bridge(session: nox.Session) -> None:
     """
     session.install(TORCH)
     session.install(MEGATRON, "einops", BRIDGE_TRANSFORMERS, *MODELOPT_NEEDS)
-    session.install(".[test]", "-e", "tests/fixtures/toyplugin")
-    session.install("--ignore-requires-python", "--no-deps", *BRIDGE)
+    reinstall(session, ".[test]", "-e", "tests/fixtures/toyplugin")
+    pip_install(session, "--ignore-requires-python", "--no-deps", *BRIDGE)
     session.install(TORCH, "numpy<2.5", "triton", BRIDGE_TRANSFORMERS)
     session.run("pytest", *(session.posargs or [*BRIDGE_TESTS, "-x", "-q"]))
 
@@ -191,7 +257,7 @@ def verl07(session: nox.Session) -> None:
     Megatron workers and verl 0.7's engine. Installed like the ``verl`` session."""
     session.install(TORCH)
     session.install(VERL07, MEGATRON, "uvicorn", "fastapi", "mbridge", "einops", *VERL07_NEEDS)
-    session.install(".[test,hydra]", "tests/fixtures/verl_probe", *VERL07_NEEDS)
+    reinstall(session, ".[test,hydra]", "tests/fixtures/verl_probe", *VERL07_NEEDS)
     session.run("pytest", *(session.posargs or [*VERL07_TESTS, "-x", "-q"]))
 
 
@@ -219,13 +285,14 @@ def areal(session: nox.Session) -> None:
     session.install(TORCH)
     session.install("--no-deps", AREAL)
     session.install(TORCH, *AREAL_NEEDS)
-    session.install(
+    pip_install(
+        session,
         "--ignore-requires-python",
         "--no-deps",
         "megatron-core==0.17.0",
         "megatron-bridge==0.4.0",
         "nvidia-modelopt",
     )
-    session.install(TORCH, "transformers==5.3.0", "numpy<2.5", ".[test]")
-    session.install("tests/fixtures/areal_probe")
+    reinstall(session, TORCH, "transformers==5.3.0", "numpy<2.5", ".[test]")
+    reinstall(session, "tests/fixtures/areal_probe")
     session.run("pytest", *(session.posargs or ["tests/hosts/areal", "-x", "-q"]))
