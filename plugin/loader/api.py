@@ -55,6 +55,7 @@ from megastart.loader.needs import left_to_host
 from megastart.loader.node import node_board
 from megastart.loader.plan import demands_once, distinct, packed
 from megastart.loader.planning import (
+    Buckets,
     RankDemands,
     announce,
     known_table,
@@ -271,11 +272,14 @@ def _load(
     group = next(g for g in groups if rank in g)
     striped = settings.reader in ("striped", "auto") and len(set(nodes)) > 1
 
-    with phase(f"{PLUGIN}: planning the buckets"):
+    left_by_all = tuple(sorted({name for r in by_rank for name in r.left_to_host}))
+    known = table
+
+    def plan_here() -> tuple[Buckets, str]:
         buckets = plan_buckets(
             demands,
             meta,
-            table,
+            known,
             settings,
             groups,
             group,
@@ -286,11 +290,21 @@ def _load(
             value_model=value_model,
         )
         backend = transport_backend(settings.transport, {r.device for r in by_rank})
-    plan, sets, readers = buckets.plan, buckets.sets, buckets.readers
-    left_by_all = tuple(sorted({name for r in by_rank for name in r.left_to_host}))
-    if rank == 0:
-        announce(buckets, left_by_all, checkpoint, table, striped=striped, value_model=value_model)
+        if rank == 0:
+            announce(
+                buckets, left_by_all, checkpoint, known, striped=striped, value_model=value_model
+            )
+        return buckets, backend
+
     cached = settings.reader_node == "page_cache" and meta.format == "safetensors"
+    # One node taking its slices out of the page cache makes no process group (where a rank
+    # that failed to plan would leave the others waiting, unnamed): it plans inside the
+    # stream's phase, a failure stops the others at the board, and the planning phase's
+    # verdict (a collective) goes.
+    ahead = None
+    if not (len(set(nodes)) == 1 and cached and all(r.page_cache for r in by_rank)):
+        with phase(f"{PLUGIN}: planning the buckets"):
+            ahead = plan_here()
     coverage = Coverage()
     with (
         phase(f"{PLUGIN}: streaming {checkpoint!r} and verifying the coverage") as loaded,
@@ -298,6 +312,8 @@ def _load(
             board, [r for r, key in enumerate(nodes) if key == nodes[rank]], nodes=len(set(nodes))
         ) as page,
     ):
+        buckets, backend = ahead or plan_here()
+        plan, sets, readers = buckets.plan, buckets.sets, buckets.readers
         route = open_route(
             groups,
             nodes,
