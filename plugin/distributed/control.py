@@ -254,36 +254,70 @@ def _listed(store: dist.Store, key: str) -> tuple[int, ...]:
     return tuple(sorted(int(bytes(v)) for v in values))
 
 
+INLINE_BYTES = 4096 - 8
+"""Bytes of a payload that travel in the same message as its size: a report (a verdict, a
+bucket count) is one collective, not a size and then its bytes. Longer payloads send the
+rest in a second."""
+
+
 def _allgather(group: LocalGroup, payload: bytes, timeout_s: float) -> list[bytes]:
-    """Every rank of ``group``'s ``payload``, in its order: their sizes, then the bytes."""
+    """Every rank of ``group``'s ``payload``, in its order: each one's size and its first
+    :data:`INLINE_BYTES`, then the rest if any is longer."""
     import torch
 
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in group.ranks]
-    _wait(group, group.all_gather(sizes, _size(payload), timeout_s=timeout_s), timeout_s)
-    longest = max(int(size) for size in sizes)
-    parts = [torch.empty(longest, dtype=torch.uint8) for _ in group.ranks]
-    mine = torch.zeros(longest, dtype=torch.uint8)
-    mine[: len(payload)] = _bytes(payload)
-    _wait(group, group.all_gather(parts, mine, timeout_s=timeout_s), timeout_s)
-    return [part[: int(size)].numpy().tobytes() for part, size in zip(parts, sizes, strict=True)]
+    heads = [torch.empty(8 + INLINE_BYTES, dtype=torch.uint8) for _ in group.ranks]
+    _wait(group, group.all_gather(heads, _head(payload), timeout_s=timeout_s), timeout_s)
+    sizes = [int(head[:8].view(torch.int64)) for head in heads]
+    longest = max(sizes)
+    if longest <= INLINE_BYTES:
+        return [
+            head[8 : 8 + size].numpy().tobytes() for head, size in zip(heads, sizes, strict=True)
+        ]
+    rests = [torch.empty(longest - INLINE_BYTES, dtype=torch.uint8) for _ in group.ranks]
+    mine = torch.zeros(longest - INLINE_BYTES, dtype=torch.uint8)
+    mine[: max(0, len(payload) - INLINE_BYTES)] = _bytes(payload[INLINE_BYTES:])
+    _wait(group, group.all_gather(rests, mine, timeout_s=timeout_s), timeout_s)
+    return [
+        head[8 : 8 + min(size, INLINE_BYTES)].numpy().tobytes()
+        + rest[: max(0, size - INLINE_BYTES)].numpy().tobytes()
+        for head, rest, size in zip(heads, rests, sizes, strict=True)
+    ]
 
 
 def _broadcast(group: LocalGroup, payload: bytes, timeout_s: float) -> bytes:
-    """``group``'s leader's ``payload`` (the others' is ignored): its size, then its bytes."""
+    """``group``'s leader's ``payload`` (the others' is ignored): its size and first
+    :data:`INLINE_BYTES`, then the rest if it is longer."""
     import torch
 
     leader, leads = group.ranks[0], group.index == 0
-    size = _size(payload) if leads else torch.zeros(1, dtype=torch.int64)
-    _wait(group, group.broadcast(size, leader, timeout_s=timeout_s), timeout_s)
-    data = _bytes(payload) if leads else torch.empty(int(size), dtype=torch.uint8)
-    _wait(group, group.broadcast(data, leader, timeout_s=timeout_s), timeout_s)
-    return payload if leads else data.numpy().tobytes()
+    head = _head(payload) if leads else torch.empty(8 + INLINE_BYTES, dtype=torch.uint8)
+    _wait(group, group.broadcast(head, leader, timeout_s=timeout_s), timeout_s)
+    if leads:
+        size = len(payload)
+    else:
+        size = int(head[:8].view(torch.int64))
+    if size > INLINE_BYTES:
+        rest = (
+            _bytes(payload[INLINE_BYTES:])
+            if leads
+            else torch.empty(size - INLINE_BYTES, dtype=torch.uint8)
+        )
+        _wait(group, group.broadcast(rest, leader, timeout_s=timeout_s), timeout_s)
+    if leads:
+        return payload
+    received = head[8 : 8 + min(size, INLINE_BYTES)].numpy().tobytes()
+    return received + (rest.numpy().tobytes() if size > INLINE_BYTES else b"")
 
 
-def _size(payload: bytes) -> torch.Tensor:
+def _head(payload: bytes) -> torch.Tensor:
+    """``payload``'s size (8 bytes) and its first :data:`INLINE_BYTES` (zero-padded)."""
     import torch
 
-    return torch.tensor([len(payload)], dtype=torch.int64)
+    head = torch.zeros(8 + INLINE_BYTES, dtype=torch.uint8)
+    head[:8] = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
+    inline = payload[:INLINE_BYTES]
+    head[8 : 8 + len(inline)] = _bytes(inline)
+    return head
 
 
 def _bytes(payload: bytes) -> torch.Tensor:

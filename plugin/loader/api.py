@@ -56,7 +56,7 @@ from megastart.loader.copier import Copier
 from megastart.loader.model import UnsupportedArchitecture, local_needs, mapping_table
 from megastart.loader.needs import left_to_host
 from megastart.loader.node import node_board
-from megastart.loader.plan import demands_once, distinct, packed
+from megastart.loader.plan import Plan, demands_once, distinct, packed
 from megastart.loader.planning import (
     RankDemands,
     announce,
@@ -275,16 +275,22 @@ def _load(
     # a group of several nodes: its reader plans, and each node takes its buckets from it
     handed = len(group_nodes.members) > 1
 
-    buckets = None
-    demanded = 0  # checkpoint tensors some rank takes
-    with phase(f"{PLUGIN}: planning the buckets"):
+    left_by_all = tuple(sorted({name for r in by_rank for name in r.left_to_host}))
+    known = table
+
+    def plan_here() -> tuple[Plan, tuple[int, ...], int, str]:
+        """This rank's plan, its group's reader ranks, the checkpoint tensors some rank takes,
+        and the transport's backend: planned here, or, in a group of several nodes, by its
+        reader alone and handed down to each node."""
         backend = transport_backend(settings.transport, {r.device for r in by_rank})
+        buckets = None
+        demanded = 0
         if not handed or rank == group[0]:
             demands = demands_once([r.demands for r in by_rank], meta)
             buckets = plan_buckets(
                 demands,
                 meta,
-                table,
+                known,
                 settings,
                 groups,
                 group,
@@ -295,18 +301,29 @@ def _load(
                 value_model=value_model,
             )
             demanded = len({name for d in distinct(demands) for names, _ in d for name in names})
-    if handed:
-        plan, outline = handed_out(
-            buckets, demanded, group, group_nodes, control, timeout_s=own.timeout_s
-        )
-        readers, demanded = outline.reader_ranks, outline.tensors
-    else:
-        assert buckets is not None
-        plan, readers = buckets.plan, buckets.readers
-    left_by_all = tuple(sorted({name for r in by_rank for name in r.left_to_host}))
-    if rank == 0 and buckets is not None:
-        announce(buckets, left_by_all, checkpoint, table, striped=striped, value_model=value_model)
+        if handed:
+            plan, outline = handed_out(
+                buckets, demanded, group, group_nodes, control, timeout_s=own.timeout_s
+            )
+            readers, demanded = outline.reader_ranks, outline.tensors
+        else:
+            assert buckets is not None
+            plan, readers = buckets.plan, buckets.readers
+        if rank == 0 and buckets is not None:
+            announce(
+                buckets, left_by_all, checkpoint, known, striped=striped, value_model=value_model
+            )
+        return plan, readers, demanded, backend
+
     cached = settings.reader_node == "page_cache" and meta.format == "safetensors"
+    # One node taking its slices out of the page cache makes no process group (where a rank
+    # that failed to plan would leave the others waiting, unnamed): it plans inside the
+    # stream's phase, a failure stops the others at the board, and the planning phase's
+    # verdict (a collective) goes.
+    ahead = None
+    if not (len(set(nodes)) == 1 and cached and all(r.page_cache for r in by_rank)):
+        with phase(f"{PLUGIN}: planning the buckets"):
+            ahead = plan_here()
     coverage = Coverage()
     with (
         phase(f"{PLUGIN}: streaming {checkpoint!r} and verifying the coverage") as loaded,
@@ -314,6 +331,7 @@ def _load(
             board, [r for r, key in enumerate(nodes) if key == nodes[rank]], nodes=len(set(nodes))
         ) as page,
     ):
+        plan, readers, demanded, backend = ahead or plan_here()
         route = open_route(
             group,
             [nodes[r] for r in group],

@@ -43,7 +43,8 @@ def test_nodes_of_one_rank_climb_straight_to_the_leaders_groups() -> None:
 def exchange(ranks_per_node: int, fanout: int) -> dict[str, Any]:
     """Make a control plane on simulated nodes of ``ranks_per_node`` (through ``LOCAL_RANK``),
     then gather every rank's report, broadcast rank 0's value and scatter rank 0's value for
-    each node over it (the last two nodes share one value, which shares a part with node 0's)."""
+    each node over it (the last two nodes share one value, which shares a part with node 0's;
+    some reports, and the broadcast value, longer than a collective's inline bytes)."""
     import os
 
     import torch.distributed as dist
@@ -62,8 +63,8 @@ def exchange(ranks_per_node: int, fanout: int) -> dict[str, Any]:
     return {
         "scattered": control.scatter(values if rank == 0 else None, timeout_s=30.0),
         "groups": control.group_ranks,
-        "gathered": control.gather({"rank": rank, "text": "x" * rank}, timeout_s=30.0),
-        "broadcast": control.broadcast(f"from rank {rank}", timeout_s=30.0),
+        "gathered": control.gather({"rank": rank, "text": "x" * rank * 2000}, timeout_s=30.0),
+        "broadcast": control.broadcast(f"from rank {rank}" + "y" * 5000, timeout_s=30.0),
         "registered": _world.group_count - registered,
     }
 
@@ -84,10 +85,10 @@ def test_every_rank_hears_every_report_through_a_tree_of_nodes_and_leaders(six: 
         [(4, 5), (0, 4)],
         [(4, 5)],
     ]
-    expected = [{"rank": r, "text": "x" * r} for r in range(6)]
+    expected = [{"rank": r, "text": "x" * r * 2000} for r in range(6)]
     for result in results:
         assert result["gathered"] == expected
-        assert result["broadcast"] == "from rank 0"
+        assert result["broadcast"] == "from rank 0" + "y" * 5000
         assert result["registered"] == 0  # the host's group names and counts are untouched
     # each node's ranks get their leader's value, the last two nodes the one they share
     shared = {-1: b"the last nodes' value", 0: b"node 0"}
@@ -107,7 +108,7 @@ def test_a_scatter_down_three_levels_gives_each_node_its_own_value(six: RankPool
 def test_on_one_node_the_tree_is_the_nodes_group(six: RankPool) -> None:
     results = six.run(exchange, 6, 32)
     assert [r["groups"] for r in results] == [[tuple(range(6))]] * 6
-    assert all(r["gathered"][5] == {"rank": 5, "text": "xxxxx"} for r in results)
+    assert all(r["gathered"][5] == {"rank": 5, "text": "x" * 10000} for r in results)
     assert all(r["scattered"] == {-1: b"the last nodes' value", 0: b"node 0"} for r in results)
 
 
@@ -116,7 +117,7 @@ def test_a_world_of_one_gathers_and_broadcasts_its_own_value() -> None:
         (result,) = pool.run(exchange, 1, 32)
     assert result["groups"] == []
     assert result["gathered"] == [{"rank": 0, "text": ""}]
-    assert result["broadcast"] == "from rank 0"
+    assert result["broadcast"] == "from rank 0" + "y" * 5000
 
 
 def make_without(missing: int) -> str:

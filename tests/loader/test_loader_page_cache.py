@@ -90,3 +90,42 @@ def test_a_read_error_on_a_range_not_in_the_page_cache_reaches_every_rank(
     assert len(set(messages)) == 1, messages
     assert messages[0].startswith("CollectiveError: rank0_loader: streaming")
     assert "Input/output error" in messages[0]
+
+
+def fail_to_plan_on(failing: int, checkpoint: str, timeout_s: float) -> tuple[str, float]:
+    """Load with ``failing``'s planning raising; the error this rank raised and how long it took."""
+    import time
+
+    import torch.distributed as dist
+    from support.loader_ranks import load_expecting_error
+
+    from megastart.loader import api
+
+    original = api.plan_buckets
+
+    def plan_buckets(*args: object, **kwargs: object) -> object:
+        if dist.get_rank() == failing:
+            raise ValueError("this rank's plan failed")
+        return original(*args, **kwargs)
+
+    api.plan_buckets = plan_buckets
+    started = time.monotonic()
+    try:
+        message = load_expecting_error(checkpoint, {"tp": 2}, {"timeout_s": timeout_s})
+    finally:
+        api.plan_buckets = original
+    return message, time.monotonic() - started
+
+
+def test_a_rank_failing_to_plan_for_the_page_cache_stops_every_rank_at_once(
+    rank_pools: dict[int, RankPool], checkpoints: dict[str, Path]
+) -> None:
+    """One node taking its slices out of the page cache plans inside the stream's phase (no
+    process group waits on a rank that failed to plan): the failure still reaches every rank
+    as one error, not after the timeout."""
+    results = rank_pools[2].run(fail_to_plan_on, 1, str(checkpoints["llama-tp2"]), 30.0)
+    messages = [message for message, _ in results]
+    assert len(set(messages)) == 1, messages
+    assert messages[0].startswith("CollectiveError: rank0_loader: streaming")
+    assert "failed on rank 1: ValueError: this rank's plan failed" in messages[0]
+    assert all(waited < 30.0 for _, waited in results), results
