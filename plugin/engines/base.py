@@ -1,4 +1,4 @@
-"""The base of every engine adapter, and the four helpers every adapter uses.
+"""The base of every engine adapter, and the helpers every adapter uses.
 
 Modelled on OpenTelemetry's ``BaseInstrumentor``: the public ``attach`` and
 ``detach`` are idempotent guards around the adapter's own ``_attach`` and
@@ -22,8 +22,8 @@ What every adapter needs once, and finds only here:
   (:data:`megastart.distributed.sticky.LATCH`);
 - :func:`load_through_hook`: ``on_model_load``, else the host's loader;
 - :func:`before_first_step`: ``pre_first_step`` once per process and world;
-- :func:`unwrap_chunks` and :func:`training_device`: the model and device as
-  hooks see them.
+- :func:`unwrap_chunks` and :func:`~megastart.distributed.world.training_device`: the
+  model and device as hooks see them.
 
 Imports point one way: adapters import this module, this module imports the
 manager; the manager reaches adapters only through their entry points.

@@ -217,7 +217,8 @@ def value_head_source(param: ParamInfo, table: MappingTable, meta: CheckpointMet
 
 
 def left_to_host(params: Sequence[ParamInfo], needs: Sequence[Need]) -> list[ParamInfo]:
-    """The parameters no need fills: a value head the checkpoint has no source for."""
+    """The parameters no need fills: a value head the checkpoint has no source for, or what
+    the host's bridge maps to no checkpoint tensor (named in the report, not refused)."""
     filled = {(need.param.chunk, need.param.local_name) for need in needs}
     return [p for p in params if (p.chunk, p.local_name) not in filled]
 
