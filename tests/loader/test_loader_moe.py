@@ -139,9 +139,12 @@ def _status_bytes(field: str) -> int:
     return int(found[1]) * 1024
 
 
-def test_no_rank_holds_more_than_a_bucket_of_other_ranks_experts(
-    rank_pools: Any, checkpoints: Any
-) -> None:
+def test_no_rank_holds_more_than_a_bucket_of_other_ranks_experts(checkpoints: Any) -> None:
+    """In ranks of their own: a peak of resident memory measured in a process that ran the
+    other tests' loads before would count their allocator's state (2.5 MiB against a bound of
+    2.5 MiB once, in CI, after the loader's modules came to share one pool)."""
+    from megastart.harness.launch import RankPool
+
     directory, _ = checkpoints("qwen3_moe", num_experts=16, moe_intermediate_size=512)
     meta = read_metadata(directory, allow_pickle=False)
     expert_bytes = sum(e.end - e.start for n, e in meta.tensors.items() if ".experts." in n)
@@ -149,7 +152,9 @@ def test_no_rank_holds_more_than_a_bucket_of_other_ranks_experts(
     others = expert_bytes // 2  # EP2: half of the experts belong to the other EP rank
     assert others >= 16 * bucket
     slack = 2**20  # the plan's Python objects, gloo's groups
-    for rank, grew in rank_pools[2].run(load_measuring_peak, directory, {"ep": 2}, bucket / 2**20):
+    with RankPool(2, timeout_s=120) as pool:
+        grown = pool.run(load_measuring_peak, directory, {"ep": 2}, bucket / 2**20)
+    for rank, grew in grown:
         # The node's shared slots, which both ranks map (RSS counts them in each).
         assert grew <= BUFFERS * bucket + slack, f"rank {rank} grew by {grew / 2**20:.1f} MiB"
 
