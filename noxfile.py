@@ -285,6 +285,10 @@ def areal(session: nox.Session) -> None:
     session.install(TORCH)
     session.install("--no-deps", AREAL)
     session.install(TORCH, *AREAL_NEEDS)
+    reinstall(session, TORCH, "transformers==5.3.0", "numpy<2.5", ".[test]")
+    reinstall(session, "tests/fixtures/areal_probe")
+    # last: a later install naming megatron-core (megastart's test extra does) makes uv put
+    # back the newest release that declares Python 3.11 (0.16.1) over pip's 0.17.0
     pip_install(
         session,
         "--ignore-requires-python",
@@ -293,6 +297,4 @@ def areal(session: nox.Session) -> None:
         "megatron-bridge==0.4.0",
         "nvidia-modelopt",
     )
-    reinstall(session, TORCH, "transformers==5.3.0", "numpy<2.5", ".[test]")
-    reinstall(session, "tests/fixtures/areal_probe")
     session.run("pytest", *(session.posargs or ["tests/hosts/areal", "-x", "-q"]))
