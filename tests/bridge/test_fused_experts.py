@@ -22,12 +22,11 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-import torch
 
 if importlib.util.find_spec("megatron.bridge") is None:  # imported with shims, by the ranks
     pytest.skip("Megatron-Bridge is not installed here", allow_module_level=True)
 
-from support.bridge_ranks import bridge_and_megastart
+from support.bridge_ranks import bridge_and_megastart, differences
 from support.packing import fused_shape, pack_experts
 from support.quantise import quantise_mxfp4
 
@@ -72,9 +71,8 @@ def test_fused_experts_load_as_megatron_bridge_loads_them(
         assert experts and all(not theirs[n].isnan().any() for n in experts), (
             f"rank {rank}: the bridge left experts unloaded"
         )
-        for name in theirs:
-            same = torch.equal(theirs[name].nan_to_num(7.0), ours[name].nan_to_num(7.0))
-            assert same, f"rank {rank}: {name} differs from the bridge's load"
+        differ = differences(theirs, ours)
+        assert not differ, f"rank {rank}: {differ} differ from the bridge's load"
 
 
 GPT_OSS = dict(
@@ -112,9 +110,8 @@ def test_gpt_oss_mxfp4_release_loads_as_its_bridge_dequantises_it(
         assert experts and all(not theirs[n].isnan().any() for n in experts), (
             f"rank {rank}: the bridge left experts unloaded"
         )
-        for name in theirs:
-            same = torch.equal(theirs[name].nan_to_num(7.0), ours[name].nan_to_num(7.0))
-            assert same, f"rank {rank}: {name} differs from the bridge's load"
+        differ = differences(theirs, ours)
+        assert not differ, f"rank {rank}: {differ} differ from the bridge's load"
 
 
 def _read(report: object, directory: Path) -> list[str]:

@@ -97,6 +97,17 @@ def poison(chunks: list[Any]) -> None:
                     tensor.fill_(float("nan"))
 
 
+def differences(theirs: dict[str, torch.Tensor], ours: dict[str, torch.Tensor]) -> list[str]:
+    """The names one side lacks, and those whose tensors differ (NaN equal to NaN)."""
+    missing = [f"{n} (only one side has it)" for n in sorted(theirs.keys() ^ ours.keys())]
+    return missing + [
+        n
+        for n in sorted(theirs.keys() & ours.keys())
+        if theirs[n].shape != ours[n].shape
+        or not torch.equal(theirs[n].nan_to_num(7.0), ours[n].nan_to_num(7.0))
+    ]
+
+
 def bridge_and_megastart(
     checkpoint: str,
     layout: dict[str, int],

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from support.bridge_ranks import build as build_by_bridge
-from support.bridge_ranks import load_by_registry, poison, state
+from support.bridge_ranks import differences, load_by_registry, poison, state
 from support.loader_ranks import TOKENS, settings
 
 DTYPE = torch.bfloat16
@@ -66,17 +66,6 @@ def parameters(chunks: list[Any]) -> dict[str, torch.Tensor]:
         for i, chunk in enumerate(chunks)
         for name, p in chunk.named_parameters()
     }
-
-
-def differences(theirs: dict[str, torch.Tensor], ours: dict[str, torch.Tensor]) -> list[str]:
-    """The names one side lacks, and those whose tensors differ (NaN equal to NaN)."""
-    missing = [f"{n} (only one side has it)" for n in sorted(theirs.keys() ^ ours.keys())]
-    return missing + [
-        n
-        for n in sorted(theirs.keys() & ours.keys())
-        if theirs[n].shape != ours[n].shape
-        or not torch.equal(theirs[n].nan_to_num(7.0), ours[n].nan_to_num(7.0))
-    ]
 
 
 def left_nan(tensors: dict[str, torch.Tensor]) -> list[str]:
