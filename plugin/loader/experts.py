@@ -16,11 +16,12 @@ from typing import Any
 
 from megastart.errors import PlanError
 
-_LOCAL_EXPERT = re.compile(r"(?<=\.mlp\.experts\.local_experts\.)(\d+)(?=\.)")
+_LOCAL_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)(?=\.)")
 """Sequential MLP: ``...mlp.experts.local_experts.{i}.linear_fc1.weight``."""
 
-_GROUPED_EXPERT = re.compile(r"(?<=\.mlp\.experts\.linear_fc[12]\.weight)(\d+)$")
-"""Grouped GEMM (Transformer Engine): ``...mlp.experts.linear_fc1.weight{i}``."""
+_GROUPED_EXPERT = re.compile(r"(\.mlp\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")
+"""Grouped GEMM (Transformer Engine): ``...mlp.experts.linear_fc1.weight{i}``, and
+``bias{i}`` where the experts have biases (gpt-oss)."""
 
 EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
 """``config.json`` spellings of the routed experts per layer (DeepSeek-V3 and GLM-4.5; Qwen;
@@ -32,7 +33,7 @@ def global_expert_name(name: str, first_expert: int) -> str:
     if first_expert == 0:
         return name
     for pattern in (_LOCAL_EXPERT, _GROUPED_EXPERT):
-        name, found = pattern.subn(lambda m: str(int(m[1]) + first_expert), name)
+        name, found = pattern.subn(lambda m: f"{m[1]}{int(m[2]) + first_expert}", name)
         if found:
             return name
     return name

@@ -13,7 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from support.gpu_ranks import bridge_and_megastart, load_and_forward, te_load_and_local_load
+from support.gpu_ranks import (
+    bridge_and_megastart,
+    load_and_forward,
+    loads_on_the_bridges_model,
+    te_load_and_local_load,
+)
 
 from megastart.harness.launch import RankPool
 
@@ -21,7 +26,6 @@ BRIDGE_CASES = [
     pytest.param("qwen3", True, id="qwen3"),
     pytest.param("qwen3_moe", True, id="qwen3_moe"),
     pytest.param("deepseek_v3", True, id="deepseek_v3"),
-    pytest.param("deepseek_v3_plain_q", True, id="deepseek_v3-no_q_lora"),
     pytest.param("deepseek_v3_fp8", True, id="deepseek_v3-fp8"),
     pytest.param("glm4_moe", True, id="glm4_moe"),
     pytest.param("gemma3", False, id="gemma3"),
@@ -64,8 +68,11 @@ MEAN_ERROR = 0.05
 """bf16 TE logits against transformers' float32 ones, mean absolute difference (0.009 to 0.027
 with the local specs in bf16 on the CPU). Not the largest: in bf16 a router can pick another
 expert for a token (Qwen3-MoE: 1.27 at one logit on the CPU, argmax unchanged)."""
-MIN_ARGMAX = 0.85
-"""Of the 16 positions, at least 14 with transformers' argmax (FP8 DeepSeek-V3 on the CPU: 15)."""
+DECISIVE_MARGIN = 2.0
+"""A position decides the argmax when transformers' best logit leads its second by more than
+this many times the largest difference seen: there bf16 cannot flip it, so it must agree.
+(A random tiny model has near ties: DeepSeek-V3 with routed experts on an H100 agreed on 13
+of 16 positions at a largest difference of 0.07, every disagreement a tie closer than that.)"""
 
 
 @pytest.mark.parametrize("name", LOGIT_CASES)
@@ -76,15 +83,36 @@ def test_built_in_tables_give_transformers_logits_on_te_models(
     want = truth(name)
     error = (got["logits"] - want).abs()
     mean, largest = error.mean().item(), error.max().item()
-    argmax = (got["logits"].argmax(-1) == want.argmax(-1)).float().mean().item()
+    agree = got["logits"].argmax(-1) == want.argmax(-1)
+    top2 = want.topk(2, dim=-1).values
+    decisive = (top2[..., 0] - top2[..., 1]) > DECISIVE_MARGIN * largest
     print(
-        f"GPU-RESULT logits {name}: mean error {mean:.4f}, max {largest:.4f}, argmax {argmax:.0%}"
+        f"GPU-RESULT logits {name}: mean error {mean:.4f}, max {largest:.4f}, "
+        f"argmax {agree.float().mean().item():.0%} ({int(agree[decisive].sum())} of "
+        f"{int(decisive.sum())} decisive positions)"
     )
     assert got["te_modules"] > 0
     if name.startswith(MOE):
         assert got["grouped"] > 0, "no grouped-GEMM expert weights (TEGroupedMLP)"
     assert not got["left_nan"], f"left NaN: {got['left_nan']}"
-    assert mean <= MEAN_ERROR and argmax >= MIN_ARGMAX, (mean, largest, argmax)
+    assert mean <= MEAN_ERROR, (mean, largest)
+    assert agree[decisive].all(), f"argmax differs where it is decisive: {agree}, {decisive}"
+
+
+def test_a_query_norm_the_checkpoint_lacks_is_refused_by_name(
+    nccl: RankPool, checkpoint: Any
+) -> None:
+    """DeepSeek-V3 without ``q_lora_rank`` (DeepSeek-V2-Lite's layout), as Megatron-Bridge
+    0.6.2 builds it on megatron-core 0.19's TE specs: its ``qk_layernorm`` fuses a norm into
+    the query projection (``QKNormConfigResolver``), a norm the checkpoint does not have.
+    The bridge's own load fails on it (no mapping, then an AttributeError); megastart says
+    which parameter no table rule fills, before it reads a tensor."""
+    (got,) = nccl.run(loads_on_the_bridges_model, checkpoint("deepseek_v3_plain_q"), "cuda")
+    print(f"GPU-RESULT refused deepseek_v3-no_q_lora: {got}")
+    assert got["bridge"] is not None, "the bridge loaded it: compare megastart's load instead"
+    assert got["megastart"].startswith("PlanError"), got["megastart"]
+    assert "linear_q_proj.layer_norm_weight" in got["megastart"], got["megastart"]
+    assert "has no rule" in got["megastart"], got["megastart"]
 
 
 def test_te_extra_state_is_neither_read_nor_reported_unused(

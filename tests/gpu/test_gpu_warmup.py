@@ -26,5 +26,7 @@ def test_warmup_on_one_gpu_warms_size_one_groups_only_refuses_capture_and_a_step
     assert all(op.endswith(f":{smallest}") for _, op in got["operations"]), got["operations"]
     assert got["refused_in_capture"] and "CUDA graph capture" in got["refused_in_capture"]
     assert got["grads"] > 0 and got["grads_finite"]
-    # an expert no token was routed to has no gradient: most parameters, not all, move
-    assert got["changed"] >= 0.75 * got["total"], f"{got['changed']} of {got['total']} moved"
+    # an expert no token was routed to has no gradient; every other parameter has one (in
+    # bf16 an SGD step too small for a weight's precision leaves it as it was: some move)
+    assert all(".mlp.experts." in n for n in got["without_grad"]), got["without_grad"]
+    assert got["changed"] > 0, "the step changed no parameter"

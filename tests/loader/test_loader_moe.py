@@ -252,6 +252,10 @@ def test_global_expert_names() -> None:
         global_expert_name("decoder.layers.3.mlp.experts.linear_fc1.weight1", 4)
         == "decoder.layers.3.mlp.experts.linear_fc1.weight5"
     )
+    assert (  # gpt-oss's grouped experts have biases, numbered like their weights
+        global_expert_name("decoder.layers.3.mlp.experts.linear_fc2.bias1", 4)
+        == "decoder.layers.3.mlp.experts.linear_fc2.bias5"
+    )
     unchanged = "decoder.layers.3.mlp.shared_experts.linear_fc1.weight"
     assert global_expert_name(unchanged, 4) == unchanged
 

@@ -116,6 +116,27 @@ def bridge_and_megastart(
         return result
 
 
+def loads_on_the_bridges_model(checkpoint: str, device: str) -> dict[str, str | None]:
+    """World size 1: the model the bridge's provider builds, loaded by the bridge's own
+    ``load_hf_weights`` and by megastart's built-in table; each one's error, or None."""
+    from megastart import load_hf_checkpoint
+
+    with megatron_on(device, {}):
+        bridge, chunks = build_by_bridge(checkpoint, {}, "bfloat16", device)
+        loads = {
+            "bridge": lambda: bridge.load_hf_weights(chunks, checkpoint),
+            "megastart": lambda: load_hf_checkpoint(chunks, checkpoint, settings=settings()),
+        }
+        said: dict[str, str | None] = {}
+        for who, load in loads.items():
+            try:
+                load()
+                said[who] = None
+            except Exception as e:  # what each says is the result
+                said[who] = f"{type(e).__name__}: {e}"
+        return said
+
+
 def load_and_forward(checkpoint: str, device: str) -> dict[str, Any]:
     """World size 1: megastart's load (strict: a checkpoint tensor no parameter takes is an
     error) into the NaN model, its logits on :data:`TOKENS`, what it left NaN, the
@@ -282,6 +303,7 @@ def train_step(chunk: Any, device: str) -> dict[str, Any]:
         loss=loss.item(),
         grads=len(grads),
         grads_finite=all(bool(g.isfinite().all()) for g in grads),
+        without_grad=[n for n, p in chunk.named_parameters() if p.grad is None],
         changed=changed,
         total=len(before),
     )
