@@ -146,7 +146,11 @@ def make_checkpoint(
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-    from transformers.initialization import no_init_weights
+
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers 4 (verl 0.7's, mbridge's) keeps it in modeling_utils
+        from transformers.modeling_utils import no_init_weights  # type: ignore[attr-defined,no-redef]
 
     if isinstance(arch, str):
         config = small_config(arch, tie_word_embeddings=tie_word_embeddings, **config_overrides)

@@ -279,13 +279,11 @@ def _rule(
     elif wrapper and isinstance(hf, str) and hf.endswith(suffix):
         transform = f"{wrapper}:{transform}"
     if kind == "RMSNorm2ZeroCenteredRMSNormMapping":
-        param = str(getattr(module, canonical.rsplit(".", 1)[1]).dtype).removeprefix("torch.")
-        centred = zero_centred(transform, stored(names[0]), param)
+        centred = zero_centred(transform, stored(names[0]))
         if centred is None:
             raise Untranslatable(
-                f"Megatron-Bridge's {type(bridge).__name__} subtracts one from {names[0]!r} in "
-                f"the checkpoint's dtype ({stored(names[0])}) before casting to {param}: "
-                "megastart casts first, so the two differ"
+                f"Megatron-Bridge's {type(bridge).__name__} subtracts one from {names[0]!r}, "
+                "which the checkpoint holds in no plain dtype"
             )
         transform = centred
     return Rule((canonical,), names, transform)

@@ -105,18 +105,10 @@ def mamba_conv1d(config: Any) -> str:
     )
 
 
-WIDER = {
-    "bfloat16": ("float32", "float64"),
-    "float16": ("float32", "float64"),
-    "float32": ("float64",),
-}
-"""Per checkpoint dtype, the parameter dtypes that hold all of its values."""
-
-
-def zero_centred(inner: str, stored: str | None, param: str) -> str | None:
-    """``RMSNorm2ZeroCenteredRMSNormMapping``'s transform (``inner`` minus one in the stored
-    dtype), or ``None`` where a parameter's dtype cannot hold the stored values exactly (the
-    bridge subtracts before it casts; the loader casts as the tensor travels)."""
-    if stored is None or (stored != param and param not in WIDER.get(stored, ())):
+def zero_centred(inner: str, stored: str | None) -> str | None:
+    """``RMSNorm2ZeroCenteredRMSNormMapping``'s transform: ``inner`` minus one in the stored
+    dtype, then cast (the bridge subtracts before it casts; the tensor travels as stored), or
+    ``None`` where the checkpoint has no plain dtype for it (a packed or quantised tensor)."""
+    if stored is None:
         return None
     return f"zero_centred:{stored}:{inner}"

@@ -206,9 +206,12 @@ def _ba(ab: int, b: int, a: int) -> list[Component]:
 
 class ZeroCentred(RowBlocks):
     """A zero-centred norm's weight (stored as ``1 + w``) as Megatron's ``w``: ``inner``'s
-    pieces minus one, computed in the checkpoint's ``dtype`` as Megatron-Bridge's
-    ``RMSNorm2ZeroCenteredRMSNormMapping`` computes it (exact where the parameter's dtype
-    holds every value of the checkpoint's: the bridge decides that, :mod:`~megastart.loader.bridge`)."""
+    pieces minus one, computed in the checkpoint's ``dtype`` and then cast to the parameter's,
+    as Megatron-Bridge's ``RMSNorm2ZeroCenteredRMSNormMapping`` computes it."""
+
+    as_stored = True
+    """Its inputs travel in the checkpoint's dtype: cast to a narrower parameter's before the
+    subtraction, ``1 + w`` would lose the digits of ``w`` that the bridge keeps."""
 
     def __init__(self, inner: Transform, dtype: str) -> None:
         self.inner = inner

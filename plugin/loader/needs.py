@@ -15,7 +15,7 @@ from typing import Any
 from megastart.errors import PlanError
 from megastart.loader.checkpoint import CheckpointMeta, logical_shape
 from megastart.loader.mappings import VALUE_HEAD, VALUE_MODEL_UNCHECKED, MappingTable
-from megastart.loader.transforms import TRANSFORMS, Shard
+from megastart.loader.transforms import TRANSFORMS, Shard, travels_as_stored
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,9 +57,11 @@ class Need:
         return self.hf + tuple(s for s in self.scales if s)
 
     def demands(self) -> list[Demand]:
-        """What it asks the stream for: scaled inputs and their scales travel as stored."""
+        """What it asks the stream for: scaled inputs and their scales travel as stored, and so
+        do the inputs of a transform that computes on the checkpoint's values."""
         if not self.scales:
-            return [(self.hf, self.param.dtype)]
+            as_stored = travels_as_stored(self.transform)
+            return [(self.hf, AS_STORED if as_stored else self.param.dtype)]
         plain = tuple(n for n, s in zip(self.hf, self.scales, strict=True) if not s)
         stored = tuple(n for n in self.inputs if n not in plain)
         return [

@@ -40,7 +40,16 @@ from megastart.loader.slices import (
 )
 from megastart.loader.transform_base import Named, Piece, Rows, Shape, Shard, Transform
 
-__all__ = ["TRANSFORMS", "Named", "Piece", "Rows", "Shape", "Shard", "Transform"]
+__all__ = [
+    "TRANSFORMS",
+    "Named",
+    "Piece",
+    "Rows",
+    "Shape",
+    "Shard",
+    "Transform",
+    "travels_as_stored",
+]
 
 
 class _Transforms(dict[str, Transform]):
@@ -66,6 +75,12 @@ class _Transforms(dict[str, Transform]):
             raise KeyError(name)
         self[name] = made
         return made
+
+
+def travels_as_stored(transform: str) -> bool:
+    """Whether ``transform`` computes on the checkpoint's values, so its inputs travel in the
+    checkpoint's dtype rather than the parameter's (a zero-centred norm's minus one)."""
+    return bool(getattr(TRANSFORMS[transform], "as_stored", False))
 
 
 TRANSFORMS: dict[str, Transform] = _Transforms(

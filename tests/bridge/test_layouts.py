@@ -33,7 +33,7 @@ LAYER = "decoder.layers.0.self_attention."
 GDN_ROWS = 2 * 64 + 2 * 64 + 2 * 8  # q, k (4 heads x 16), v, z (8 heads x 8), b, a
 QKV_ROWS = (8 + 2 * 4) * 16  # 8 heads in 4 groups of head dim 16
 
-CASES = {  # bridge (or mapping class), parameter, holding module, rows before TP, HF dtype
+CASES = {  # bridge (or mapping class), parameter, holding module, rows before TP, HF dtype[, param]
     "qwen3_next-in_proj": (
         "Qwen3NextBridge",
         LAYER + "in_proj.weight",
@@ -51,6 +51,15 @@ CASES = {  # bridge (or mapping class), parameter, holding module, rows before T
         "float32",
     ),
     "zero_centred-norm": ("Qwen3NextBridge", LAYER + "out_norm.weight", "norm", 16, "bfloat16"),
+    # a float32 checkpoint into a bf16 model: one is subtracted before the cast, as the bridge does
+    "zero_centred-norm-narrowed": (
+        "Qwen3NextBridge",
+        LAYER + "out_norm.weight",
+        "norm",
+        16,
+        "float32",
+        "bfloat16",
+    ),
     "mamba-conv1d": (
         "MambaConv1dMapping",
         "decoder.layers.0.mixer.conv1d.weight",
@@ -79,10 +88,12 @@ CASES = {  # bridge (or mapping class), parameter, holding module, rows before T
 def test_megastart_places_what_the_bridges_mapping_makes_on_each_tp_rank(
     rank_pools: dict[int, RankPool], case: str
 ) -> None:
-    bridge, canonical, kind, rows, stored = CASES[case]
+    bridge, canonical, kind, rows, stored, *param = CASES[case]
     transform = "zero_centred" if kind == "norm" else "interleave"
     for rank, (theirs, ours, name) in enumerate(
-        rank_pools[2].run(theirs_and_ours, bridge, canonical, kind, rows, stored, "float32")
+        rank_pools[2].run(
+            theirs_and_ours, bridge, canonical, kind, rows, stored, *(param or ["float32"])
+        )
     ):
         assert name.startswith(transform), name
         assert not ours.isnan().any(), f"rank {rank}: rows left unplaced by {name}"

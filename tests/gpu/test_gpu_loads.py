@@ -110,9 +110,10 @@ def test_a_query_norm_the_checkpoint_lacks_is_refused_by_name(
     (got,) = nccl.run(loads_on_the_bridges_model, checkpoint("deepseek_v3_plain_q"), "cuda")
     print(f"GPU-RESULT refused deepseek_v3-no_q_lora: {got}")
     assert got["bridge"] is not None, "the bridge loaded it: compare megastart's load instead"
-    assert got["megastart"].startswith("PlanError"), got["megastart"]
-    assert "linear_q_proj.layer_norm_weight" in got["megastart"], got["megastart"]
-    assert "has no rule" in got["megastart"], got["megastart"]
+    said = got["megastart"]
+    assert said is not None and "PlanError" in said, said  # on every rank: a CollectiveError
+    assert "'decoder.layers.0.self_attention.linear_q_proj.layer_norm_weight'" in said, said
+    assert "has no rule in the DeepseekV3ForCausalLM mapping table" in said, said
 
 
 def test_te_extra_state_is_neither_read_nor_reported_unused(

@@ -66,9 +66,10 @@ def theirs_and_ours(
     bridge_class: str, canonical: str, kind: str, full_rows: int, stored: str, param: str
 ) -> tuple[torch.Tensor, torch.Tensor, str]:
     """Rank's parameter as the bridge's mapping makes it and as megastart's translation makes
-    it (from three uneven row blocks of each HF tensor), and the transform's name."""
+    it (from three uneven row blocks of each HF tensor, in the dtype the stream carries them
+    in), and the transform's name."""
     from megastart.loader.bridge import bridge_table
-    from megastart.loader.transforms import TRANSFORMS, Rows, Shard
+    from megastart.loader.transforms import TRANSFORMS, Rows, Shard, travels_as_stored
 
     import_megatron_bridge()
     from megatron.bridge.models.conversion import param_mapping
@@ -97,8 +98,8 @@ def theirs_and_ours(
         shard = Shard(rank, tp, 8, 4, 16)
         transform = TRANSFORMS[rule.transform]
         assert not transform.check([(n, tuple(hf[n].shape)) for n in names], local, shard)
-        for index, name in enumerate(names):
-            whole = hf[name].to(getattr(torch, param))
+        for index, name in enumerate(names):  # in the dtype it travels in
+            whole = hf[name] if travels_as_stored(rule.transform) else hf[name].to(ours.dtype)
             total = whole.shape[0]
             for start, stop in ((0, total // 3), (total // 3, total - 1), (total - 1, total)):
                 rows = Rows(start, stop, total)
