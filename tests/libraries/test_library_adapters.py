@@ -94,6 +94,27 @@ def test_a_provider_with_load_weights_is_loaded_by_megastart_bit_for_bit(
         assert not same_state(out["theirs"], out["ours"]), f"rank {rank}"
 
 
+@pytest.mark.parametrize("seen_on", [0, 1], ids=["rank0-sees-it", "rank1-sees-it"])
+def test_a_checkpoint_directory_seen_on_some_ranks_only_is_loaded_as_rank_0_sees_it(
+    rank_pools: dict[int, RankPool], qwen3: str, tmp_path: Any, seen_on: int
+) -> None:
+    """A directory mounted on some nodes only: every rank loads the way rank 0 sees it (its
+    reader), megastart's load or the library's own, never some one and some the other (their
+    collectives would never meet)."""
+    from support.library_ranks import library_load_seeing
+
+    sources = [qwen3 if rank == seen_on else str(tmp_path / "not-mounted") for rank in range(2)]
+    runs = rank_pools[2].run(library_load_seeing, qwen3, sources, {"tp": 2})
+    for rank, out in enumerate(runs):
+        if seen_on == 0:
+            assert out["own"] == [], f"rank {rank} ran the library's own load"
+            assert out["calls"] == [("on_model_load", {"host": "megatron-core", "report": True})]
+            assert not any(t.isnan().any() for t in out["state"].values()), f"rank {rank}"
+        else:
+            assert out["own"] == [sources[rank]], f"rank {rank} did not run the library's load"
+            assert out["calls"] == [], f"rank {rank} went through megastart: {out['calls']}"
+
+
 @pytest.mark.parametrize("layout", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
 def test_pre_first_step_runs_once_before_a_cached_schedules_first_micro_batch(
     rank_pools: dict[int, RankPool], qwen3: str, layout: dict[str, int]

@@ -286,3 +286,36 @@ def mbridge_load_weights(checkpoint: str, layout: dict[str, int]) -> dict[str, A
         bridge = mbridge.AutoBridge.from_pretrained(checkpoint, dtype=torch.float32)
         chunks = build(checkpoint)
         return theirs_then_ours(recorder, chunks, lambda: bridge.load_weights(chunks, checkpoint))
+
+
+def library_load_seeing(
+    checkpoint: str, sources: list[str], layout: dict[str, int]
+) -> dict[str, Any]:
+    """A library's HF loader of ``checkpoint``'s model called on every rank, each rank given
+    its own entry of ``sources`` (a directory mounted on some nodes only): which load ran here
+    (megastart's, through ``on_model_load``, or the library's own), and the state it left."""
+    import torch.distributed as dist
+
+    from megastart.engines.megatron_core import MegatronCoreScheduleAdapter
+    from support.loader_ranks import build, megatron
+
+    source = sources[dist.get_rank()]
+    own: list[str] = []
+
+    def libraries_own_load(model: list[Any], path: str) -> list[Any]:
+        own.append(path)
+        return model
+
+    adapter = MegatronCoreScheduleAdapter()  # a library adapter: its load_if_served
+    with recording() as recorder, megatron(layout):
+        chunks = build(checkpoint)
+        poison(chunks)
+        adapter.load_if_served(
+            libraries_own_load,
+            (chunks, source),
+            {},
+            source,
+            context=adapter.model_context,
+            model_at=0,
+        )
+        return {"own": own, "calls": recorder.calls, "state": state(chunks)}
