@@ -18,7 +18,7 @@ import torch
 
 import megastart
 from support.bridge_ranks import build as bridge_build
-from support.bridge_ranks import import_megatron_bridge, poison, state
+from support.bridge_ranks import differences, import_megatron_bridge, poison, state
 
 FORWARD_STEPS: list[int] = []
 """Micro-batches run by :func:`forward_step` in this rank."""
@@ -245,7 +245,7 @@ def nemo_rl_sequence(checkpoint: str, saved: str, layout: dict[str, int]) -> dic
             initialize_megatron(**layout)
             chunks = provide(bridge, layout, load_weights=False)
             restore_checkpoint(chunks, saved)  # a bare dist_checkpointing.load: no hook
-            same = not same_state_names(state(converted), state(chunks))
+            same = not differences(state(converted), state(chunks))
             with ddp_schedule(chunks) as run:
                 run(forward_only=True)
                 run(forward_only=False)
@@ -258,11 +258,6 @@ def nemo_rl_sequence(checkpoint: str, saved: str, layout: dict[str, int]) -> dic
         "warmup": warmup,
         "same": same,
     }
-
-
-def same_state_names(theirs: dict[str, torch.Tensor], ours: dict[str, torch.Tensor]) -> list[str]:
-    """The tensors of two states that differ."""
-    return [n for n in theirs if not torch.equal(theirs[n], ours[n])]
 
 
 def process_groups() -> set[Any]:
