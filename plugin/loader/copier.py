@@ -77,7 +77,8 @@ class Copier:
     def register_ahead(
         self, mappings: FileMappings, plan: Plan, mine: Callable[[Any], list[Slot]]
     ) -> None:
-        """Start registering the blocks of ``mappings`` this rank copies from (CUDA only)."""
+        """Start registering the blocks of ``mappings`` holding the slots ``mine`` picks (those a
+        copy takes straight: :meth:`~megastart.loader.stream.Stream.straight_slots`), CUDA only."""
         from megastart.loader.pagecache import drop_pages, resident
 
         if self._device.type != "cuda" or self._registrations is not None:
