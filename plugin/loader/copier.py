@@ -74,6 +74,13 @@ class Copier:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def driver(self) -> registration.Driver:
+        """What registers host memory with CUDA for this rank: the staging ring, the page
+        cache's blocks, the node's shared segments (CUDA parameters only)."""
+        assert self._driver is not None, "a copier into CPU parameters registers nothing"
+        return self._driver
+
     def register_ahead(
         self, mappings: FileMappings, plan: Plan, mine: Callable[[Any], list[Slot]]
     ) -> None:
@@ -191,9 +198,7 @@ class Copier:
             torch.frombuffer(mmap.mmap(-1, CHUNK_BYTES), dtype=torch.uint8) for _ in range(chunks)
         ]
         self._driver = driver = registration.cuda_driver(self._device)
-        # On a thread of its own: a refusal sets that thread's last CUDA error, not this one's.
-        with ThreadPoolExecutor(1, "megastart-page-lock") as thread:
-            refused = thread.submit(_page_lock_all, driver, memory, self._locked).result()
+        refused = registration.on_own_thread(lambda: _page_lock_all(driver, memory, self._locked))
         if refused:
             log.warning(
                 "megastart: rank0_loader stages its copies into CUDA in pageable memory "

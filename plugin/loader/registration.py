@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 if TYPE_CHECKING:
     import torch
@@ -104,6 +104,16 @@ class CudaDriver:
         if not getattr(self._bound, "done", False):
             torch.cuda.set_device(self._device)
             self._bound.done = True
+
+
+T = TypeVar("T")
+
+
+def on_own_thread(call: Callable[[], T]) -> T:
+    """``call()`` (CUDA runtime calls) on a thread of its own: a refused call sets its thread's
+    last CUDA error, which torch would raise at the caller's next kernel launch."""
+    with ThreadPoolExecutor(1, "megastart-page-lock") as thread:
+        return thread.submit(call).result()
 
 
 def cuda_driver(device: torch.device) -> Driver:

@@ -155,7 +155,7 @@ class Stream:
             return
         with self.segment(count * size) as segment:
             if pin:
-                segment.pin()
+                segment.pin(self.copier.driver)
             assert segment.tensor is not None
             # The leader's buffer size: a rank whose plan differs learns it from the first header.
             size = segment.nbytes // count
