@@ -56,3 +56,21 @@ def test_a_checkpoint_in_another_dtype_registers_nothing(
         assert out["mine"], f"rank {rank}"
         assert out["chosen"] == out["copied_straight"] == [], f"rank {rank}"
         assert out["blocks"] == 0, f"rank {rank}"
+
+
+def test_a_quantised_weight_and_its_scales_are_never_registered(
+    rank_pools: dict[int, RankPool], tmp_path: Any
+) -> None:
+    """FP8 blocks are dequantised on the way (with their scales, kept on the host)."""
+    from support.quantise import quantise_fp8
+    from support.registration_ranks import straight_slots
+
+    from megastart.harness.checkpoints import make_checkpoint
+
+    fp8 = make_checkpoint("deepseek_v3", tmp_path)
+    quantise_fp8(fp8)
+    for rank, out in enumerate(rank_pools[2].run(straight_slots, str(fp8), {"tp": 2})):
+        assert out["chosen"] == out["copied_straight"], f"rank {rank}"
+        quantised = [n for n in out["mine"] if n.endswith(("_proj.weight", "_scale_inv"))]
+        assert quantised and not set(quantised) & set(out["chosen"]), f"rank {rank}"
+        assert any(n.endswith("norm.weight") for n in out["chosen"]), f"rank {rank}"
