@@ -147,9 +147,11 @@ class Copier:
                     self._registrations.close()
                     self._log_routes(self._registrations)
             finally:
-                for chunk in self._locked:
-                    assert self._driver is not None  # it locked them
-                    self._driver.unregister(chunk.data_ptr())
+                if self._locked:
+                    driver, locked = self.driver, list(self._locked)
+                    registration.on_own_thread(
+                        lambda: [driver.unregister(chunk.data_ptr()) for chunk in locked]
+                    )
                 self._locked.clear()
                 self._ring = None  # each chunk is unmapped with its last view
 
