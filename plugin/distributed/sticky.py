@@ -9,11 +9,13 @@ so none of them may issue collectives again in this process.
 from __future__ import annotations
 
 import threading
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from megastart.distributed.errors import FailedBefore, describe
+
+_IN_STEP = "_megastart_in_step"
+"""The attribute :meth:`Sticky.guard` marks an error of its ``passes`` types with."""
 
 
 class Sticky:
@@ -30,7 +32,6 @@ class Sticky:
         self.failed: str | None = None
         """What failed first (``"rank0_loader"``, ``"pre_first_step"``); ``None``: nothing."""
         self.failure: BaseException | None = None
-        self._in_step: weakref.WeakSet[BaseException] = weakref.WeakSet()
 
     def refuse_if_failed(self, what: str) -> None:
         """Raise :class:`FailedBefore` for ``what`` if a call failed before in this process."""
@@ -47,17 +48,20 @@ class Sticky:
         """Run the block unless a call failed before; remember its failure.
 
         Errors of the ``passes`` types leave the ranks in step (decided on every rank
-        before any transfer): they are not kept, here or by a guard around this one.
+        before any transfer): they are not kept, here or by a guard around this one. The
+        error itself carries that mark: by identity, whatever its type (a set of them would
+        hash it, which an exception with ``__eq__`` refuses, and hold it weakly, which a
+        built-in exception refuses).
         """
         self.refuse_if_failed(what)
         try:
             yield
         except passes as e:
-            self._in_step.add(e)
+            setattr(e, _IN_STEP, True)
             raise
         except BaseException as e:
             with self._lock:
-                if self.failure is None and e not in self._in_step:
+                if self.failure is None and not getattr(e, _IN_STEP, False):
                     self.failed, self.failure = what, e
             raise
 

@@ -88,18 +88,32 @@ class RecoverLoadAdapter(LibraryAdapter):
 def served_here(source: Any, library: str) -> str | None:
     """``source`` as a checkpoint directory megastart can load, or ``None`` (with one line on
     rank 0) where the library's own loader must: a source that is not a local directory,
-    or no process group to load over."""
+    or no process group to load over.
+
+    Rank 0 decides (it reads the checkpoint) and every rank takes its answer, over the
+    loader's control plane, bounded by ``rank0_loader.timeout_s``: a directory seen on some
+    nodes only would otherwise send some ranks into megastart's load and the others into
+    the library's, whose collectives never meet."""
     import torch.distributed as dist
+
+    from megastart.distributed import broadcast_or_raise, discarding_control, kept_control
+    from megastart.loader.settings import resolved
 
     if not dist.is_initialized():
         return None
-    if source is not None and os.path.isdir(str(source)):
-        return str(source)
-    if dist.get_rank() == 0:
+    timeout_s = resolved().timeout_s
+    with discarding_control():  # a broadcast that failed may have left the plane half used
+        checkpoint: str | None = broadcast_or_raise(
+            f"megastart: {library}: whether rank 0 sees {source!r} as a checkpoint directory",
+            lambda: str(source) if source is not None and os.path.isdir(str(source)) else None,
+            timeout_s=timeout_s,
+            control=kept_control(timeout_s=timeout_s),
+        )
+    if checkpoint is None and dist.get_rank() == 0:
         log.warning(
             "megastart: %s loads from %r, not a local checkpoint directory: left to %s",
             library,
             None if source is None else str(source),
             library,
         )
-    return None
+    return checkpoint

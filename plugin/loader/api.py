@@ -66,7 +66,7 @@ from megastart.loader.planning import (
     transport_backend,
 )
 from megastart.loader.route import Nodes, open_route
-from megastart.loader.settings import PLUGIN, Rank0LoaderSettings
+from megastart.loader.settings import PLUGIN, Rank0LoaderSettings, resolved
 from megastart.loader.staging import copy_threads
 from megastart.loader.stream import Stream
 from megastart.loader.transport import reader_groups
@@ -174,7 +174,7 @@ def load_hf_checkpoint(
     ):
         board = Board(PLUGIN)
         with board.announcing():
-            settings = settings or _default_settings()
+            settings = settings or resolved()
             start = time.perf_counter()
             board.check_in(settings.timeout_s)
             # The board bounds every wait by timeout_s and names it; gloo's own
@@ -365,12 +365,6 @@ def _load(
         tensors=demanded,
         left_to_host=left_by_all,
     )
-
-
-def _default_settings() -> Rank0LoaderSettings:
-    from megastart.manager import get_settings
-
-    return get_settings().sections.get(PLUGIN) or Rank0LoaderSettings()
 
 
 def _rank() -> int:

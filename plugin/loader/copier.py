@@ -74,10 +74,18 @@ class Copier:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def driver(self) -> registration.Driver:
+        """What registers host memory with CUDA for this rank: the staging ring, the page
+        cache's blocks, the node's shared segments (CUDA parameters only)."""
+        assert self._driver is not None, "a copier into CPU parameters registers nothing"
+        return self._driver
+
     def register_ahead(
         self, mappings: FileMappings, plan: Plan, mine: Callable[[Any], list[Slot]]
     ) -> None:
-        """Start registering the blocks of ``mappings`` this rank copies from (CUDA only)."""
+        """Start registering the blocks of ``mappings`` holding the slots ``mine`` picks (those a
+        copy takes straight: :meth:`~megastart.loader.stream.Stream.straight_slots`), CUDA only."""
         from megastart.loader.pagecache import drop_pages, resident
 
         if self._device.type != "cuda" or self._registrations is not None:
@@ -139,9 +147,11 @@ class Copier:
                     self._registrations.close()
                     self._log_routes(self._registrations)
             finally:
-                for chunk in self._locked:
-                    assert self._driver is not None  # it locked them
-                    self._driver.unregister(chunk.data_ptr())
+                if self._locked:
+                    driver, locked = self.driver, list(self._locked)
+                    registration.on_own_thread(
+                        lambda: [driver.unregister(chunk.data_ptr()) for chunk in locked]
+                    )
                 self._locked.clear()
                 self._ring = None  # each chunk is unmapped with its last view
 
@@ -190,9 +200,7 @@ class Copier:
             torch.frombuffer(mmap.mmap(-1, CHUNK_BYTES), dtype=torch.uint8) for _ in range(chunks)
         ]
         self._driver = driver = registration.cuda_driver(self._device)
-        # On a thread of its own: a refusal sets that thread's last CUDA error, not this one's.
-        with ThreadPoolExecutor(1, "megastart-page-lock") as thread:
-            refused = thread.submit(_page_lock_all, driver, memory, self._locked).result()
+        refused = registration.on_own_thread(lambda: _page_lock_all(driver, memory, self._locked))
         if refused:
             log.warning(
                 "megastart: rank0_loader stages its copies into CUDA in pageable memory "

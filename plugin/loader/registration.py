@@ -3,15 +3,17 @@
 A copy into CUDA from a registered range is one DMA at the link's rate, with no
 CPU copy; registering costs about as long again (issue #40, an H100: copies at
 55.6 GB/s, 26-27 GB/s with the registration counted, serially). So a thread of
-its own registers the blocks of the files this rank copies from, in the order it
-copies them, while the copies run: a copy whose blocks are registered goes
-straight, any other through the staging ring (:mod:`megastart.loader.staging`).
+its own registers the blocks of the files holding the pieces this rank copies
+straight, in the order it copies them, while the copies run: a copy whose blocks are
+registered goes straight, any other through the staging ring (:mod:`megastart.loader.staging`).
 
 Only pages in the page cache are registered: pinning the others would read them
 from the storage outside the reader, who reads each byte once and owns its errors. So
 the route serves warm loads; a block not resident when its turn comes is left to the
 staging ring. Only contiguous pieces in the checkpoint's dtype go straight (a row-parallel
-slice's columns, or a conversion, go through the ring).
+slice's columns, or a conversion, go through the ring): only their slots' blocks are
+registered (:meth:`~megastart.loader.stream.Stream.straight_slots`), no page pinned that no
+copy reads.
 
 Every block registered is unregistered when the load ends, whichever way it ends
 (:meth:`Registrations.close`, from the copier's close). A driver that refuses (a
@@ -31,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 if TYPE_CHECKING:
     import torch
@@ -102,6 +104,16 @@ class CudaDriver:
         if not getattr(self._bound, "done", False):
             torch.cuda.set_device(self._device)
             self._bound.done = True
+
+
+T = TypeVar("T")
+
+
+def on_own_thread(call: Callable[[], T]) -> T:
+    """``call()`` (CUDA runtime calls) on a thread of its own: a refused call sets its thread's
+    last CUDA error, which torch would raise at the caller's next kernel launch."""
+    with ThreadPoolExecutor(1, "megastart-page-lock") as thread:
+        return thread.submit(call).result()
 
 
 def cuda_driver(device: torch.device) -> Driver:

@@ -54,7 +54,7 @@ def run(stream: Stream, settings: Rank0LoaderSettings) -> tuple[int, int]:
     sent between nodes)."""
     route = stream.route
     if route.page_cache and settings.cuda_copy == "registered":
-        stream.copier.register_ahead(stream.mappings, stream.plan, stream.mine)
+        stream.copier.register_ahead(stream.mappings, stream.plan, stream.straight_slots)
     if route.striped and route.leads:
         return read_share(stream, settings)
     if route.position == 0:

@@ -91,3 +91,11 @@ class Rank0LoaderSettings:
                 "rank0_loader.timeout_s (MEGASTART_RANK0_LOADER_TIMEOUT_S) must be a positive, "
                 f"finite number of seconds, got {self.timeout_s}"
             )
+
+
+def resolved() -> Rank0LoaderSettings:
+    """This process's ``rank0_loader`` settings (the defaults where the section is absent)."""
+    from megastart.manager import get_settings
+
+    section: Rank0LoaderSettings | None = get_settings().sections.get(PLUGIN)
+    return section or Rank0LoaderSettings()

@@ -27,8 +27,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from megastart.loader.registration import on_own_thread
+
 if TYPE_CHECKING:
     import torch
+
+    from megastart.loader.registration import Driver
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "megastart-loader-"
@@ -62,7 +66,8 @@ class Segment:
             raise
         finally:
             os.close(fd)
-        self._registered = False
+        self._registered: Driver | None = None
+        """The driver that page-locked the mapping, if it is."""
 
     @classmethod
     def create(
@@ -104,19 +109,20 @@ class Segment:
         """Remove the name (every local rank has mapped it); the memory stays mapped."""
         self._path.unlink(missing_ok=True)
 
-    def pin(self) -> None:
-        """Page-lock the mapping for CUDA (``cudaHostRegister``): copies to the GPU then run at
-        the link's rate with no staging copy, from every process of the node at once."""
+    def pin(self, driver: Driver) -> None:
+        """Page-lock the mapping for CUDA (``cudaHostRegister``, through the rank's ``driver``):
+        copies to the GPU then run at the link's rate with no staging copy, from every process
+        of the node at once."""
         assert self.tensor is not None
-        page_lock(self.tensor, "the shared-memory segment")
-        self._registered = True
+        page_lock(driver, self.tensor, "the shared-memory segment")
+        self._registered = driver
 
     def close(self) -> None:
         """Unregister and drop this object's view: the memory is unmapped when the last
         tensor viewing it goes (a read thread left stalled keeps it mapped until it ends)."""
-        if self._registered and self.tensor is not None:
-            page_unlock(self.tensor)
-            self._registered = False
+        if self._registered is not None and self.tensor is not None:
+            page_unlock(self._registered, self.tensor)
+            self._registered = None
         self.tensor = None
 
 
@@ -174,22 +180,19 @@ def _reserve(fd: int, nbytes: int, path: Path) -> None:
         ) from e
 
 
-def page_lock(tensor: torch.Tensor, what: str) -> None:
-    """Register ``tensor``'s host memory with CUDA (``cudaHostRegister``), so copies to
-    the GPU read it at the link's rate with no staging copy of the driver's."""
-    import torch
-
+def page_lock(driver: Driver, tensor: torch.Tensor, what: str) -> None:
+    """Register ``tensor``'s host memory with CUDA (``cudaHostRegister``, through ``driver`` on a
+    thread of its own: :func:`~megastart.loader.registration.on_own_thread`), so copies to the
+    GPU read it at the link's rate with no staging copy of the driver's."""
     nbytes = tensor.numel() * tensor.element_size()
-    error = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
-    if int(error) != 0:
+    error = on_own_thread(lambda: driver.register(tensor.data_ptr(), nbytes, 0))
+    if error:
         raise RuntimeError(
             f"cudaHostRegister of {what} ({nbytes} bytes) failed ({error}): raise the "
             "locked-memory limit (ulimit -l) or lower rank0_loader.bucket_mb"
         )
 
 
-def page_unlock(tensor: torch.Tensor) -> None:
+def page_unlock(driver: Driver, tensor: torch.Tensor) -> None:
     """Undo :func:`page_lock` (the memory stays mapped)."""
-    import torch
-
-    torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+    on_own_thread(lambda: driver.unregister(tensor.data_ptr()))

@@ -23,7 +23,7 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from megastart.loader.checkpoint import CheckpointMeta
+from megastart.loader.checkpoint import ITEMSIZE, CheckpointMeta
 from megastart.loader.copier import Copier
 from megastart.loader.dequantise import BlockScaled
 from megastart.loader.needs import Need
@@ -65,11 +65,8 @@ class Stream:
         self.coverage = coverage
         self.route = route
         self.copier = copier
-        self.consumers: dict[str, list[tuple[Need, int]]] = {}
+        self.consumers = consumers_of(needs)
         """HF tensor name -> this rank's needs that take it, and as which input."""
-        for need in needs:
-            for index, name in enumerate(need.inputs):
-                self.consumers.setdefault(name, []).append((need, index))
         self.scales: dict[str, torch.Tensor] = {}
         """Scales received so far, by name (each arrives before its weight)."""
         self._rows_left: dict[str, int] = {}
@@ -84,6 +81,15 @@ class Stream:
     def mine(self, bucket: Bucket) -> list[Slot]:
         """The slots of ``bucket`` this rank copies from."""
         return [slot for slot in bucket.slots if slot.name in self.consumers]
+
+    def straight_slots(self, bucket: Bucket) -> list[Slot]:
+        """The slots of ``bucket`` this rank copies a piece of straight out of the registered page
+        cache (:func:`goes_straight`): the only ones whose blocks are worth registering."""
+        return [
+            slot
+            for slot in self.mine(bucket)
+            if goes_straight(slot, self.meta, self.consumers[slot.name], self.tensors, self.shard)
+        ]
 
     def announce(self, index: int, buffer: int, nbytes: int) -> Any:
         """Tell the node's other ranks that bucket ``index`` is in ``buffer``, if one needs it;
@@ -149,7 +155,7 @@ class Stream:
             return
         with self.segment(count * size) as segment:
             if pin:
-                segment.pin()
+                segment.pin(self.copier.driver)
             assert segment.tensor is not None
             # The leader's buffer size: a rank whose plan differs learns it from the first header.
             size = segment.nbytes // count
@@ -254,6 +260,50 @@ class Stream:
             self._rows_left[scale] -= slot.rows.stop - slot.rows.start
             if self._rows_left[scale] <= 0:
                 del self._rows_left[scale], self.scales[scale]
+
+
+def consumers_of(needs: list[Need]) -> dict[str, list[tuple[Need, int]]]:
+    """HF tensor name -> the needs that take it, and as which input."""
+    consumers: dict[str, list[tuple[Need, int]]] = {}
+    for need in needs:
+        for index, name in enumerate(need.inputs):
+            consumers.setdefault(name, []).append((need, index))
+    return consumers
+
+
+def goes_straight(
+    slot: Slot,
+    meta: CheckpointMeta,
+    consumers: list[tuple[Need, int]],
+    tensors: dict[tuple[int, str], torch.Tensor],
+    shard: Shard,
+) -> bool:
+    """Whether :meth:`Stream.apply` copies a piece of ``slot`` from the page cache into CUDA
+    straight (:meth:`~megastart.loader.copier.Copier.copy`): a contiguous view of the file's
+    bytes, in its parameter's dtype, into a contiguous slice of it. Not a strided piece (a
+    row-parallel slice's columns), a converted or computed one, a quantised weight or its
+    scales, or a tensor the file does not align. Worked out on meta tensors: nothing is read."""
+    import torch
+
+    entry = meta.tensors[slot.name]
+    if entry.row_range(slot.rows.start, slot.rows.stop).start % ITEMSIZE[entry.dtype]:
+        return False  # copied out of the mapping first (:meth:`Window.view`)
+    held = torch.empty(slot.shape, dtype=getattr(torch, entry.dtype), device="meta")
+    for need, index in consumers:
+        if index >= len(need.hf) or (need.scales and need.scales[index]):
+            continue
+        param = tensors[(need.param.chunk, need.param.local_name)]
+        for first, stop, piece in TRANSFORMS[need.transform].blocks(
+            index, held, slot.rows, need.param.shape, shard
+        ):
+            if (
+                (piece is held or piece._base is held)
+                and piece.dtype == param.dtype
+                and piece.is_contiguous()
+                and param.data[first:stop].is_contiguous()
+            ):
+                return True
+    return False
 
 
 class Source(Protocol):

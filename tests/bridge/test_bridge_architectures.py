@@ -11,12 +11,11 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
-import torch
 
 if importlib.util.find_spec("megatron.bridge") is None:
     pytest.skip("Megatron-Bridge is not installed here", allow_module_level=True)
 
-from support.bridge_ranks import bridge_and_megastart
+from support.bridge_ranks import bridge_and_megastart, differences
 from support.tiny_models import make_tiny
 
 from megastart.harness.launch import RankPool
@@ -44,9 +43,8 @@ def test_a_vision_language_model_loads_as_megatron_bridge_loads_it(
         tower = [n for n in theirs if ".visual." in n or n.startswith("0:visual.")]
         loaded = [n for n in tower if not theirs[n].isnan().any()]
         assert len(loaded) > 10, f"rank {rank}: the bridge loaded no tower: {tower[:5]}"
-        for name in theirs:
-            same = torch.equal(theirs[name].nan_to_num(7.0), ours[name].nan_to_num(7.0))
-            assert same, f"rank {rank}: {name} differs from the bridge's load"
+        differ = differences(theirs, ours)
+        assert not differ, f"rank {rank}: these differ from the bridge's load: {differ}"
 
 
 def test_ernie_4_5_moe_loads_as_megatron_bridge_loads_it(
@@ -59,6 +57,5 @@ def test_ernie_4_5_moe_loads_as_megatron_bridge_loads_it(
         assert report is not None, f"rank {rank}: megastart left the load to the bridge"
         bias = [n for n in theirs if n.endswith("router.expert_bias")]
         assert bias and not any(theirs[n].isnan().any() for n in bias), bias
-        for name in theirs:
-            same = torch.equal(theirs[name].nan_to_num(7.0), ours[name].nan_to_num(7.0))
-            assert same, f"rank {rank}: {name} differs from the bridge's load"
+        differ = differences(theirs, ours)
+        assert not differ, f"rank {rank}: these differ from the bridge's load: {differ}"

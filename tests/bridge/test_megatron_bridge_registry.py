@@ -16,7 +16,6 @@ import importlib.util
 from typing import Any
 
 import pytest
-import torch
 
 if importlib.util.find_spec("megatron.bridge") is None:  # imported with shims, by the ranks
     pytest.skip("Megatron-Bridge is not installed here", allow_module_level=True)
@@ -25,6 +24,7 @@ from support.bridge_ranks import (
     bridge_and_megastart,
     bridge_with_a_hook_of_its_own,
     bridge_with_a_mapping_of_its_own,
+    differences,
     leaves_to_the_bridge,
     tables_agree,
     the_auto_bridges_model_bridge,
@@ -73,9 +73,8 @@ def test_megastart_loads_what_the_bridge_loads_bit_for_bit(
         assert report.reader_ranks == (0,)
         loaded = [n for n, t in theirs.items() if not t.isnan().any()]
         assert loaded, f"rank {rank}: the bridge loaded nothing"
-        for name in theirs:
-            same = torch.equal(theirs[name].nan_to_num(7.0), ours[name].nan_to_num(7.0))
-            assert same, f"rank {rank}: {name} differs from the bridge's load"
+        differ = differences(theirs, ours)
+        assert not differ, f"rank {rank}: these differ from the bridge's load: {differ}"
 
 
 @pytest.mark.parametrize(
@@ -90,10 +89,8 @@ def test_megastart_loads_what_the_bridge_loads_bit_for_bit(
 def test_the_bridge_registry_and_the_built_in_table_agree(
     rank_pools: dict[int, RankPool], checkpoints: Any, arch: str, world: int, layout: dict[str, int]
 ) -> None:
-    for rank, differences in enumerate(
-        rank_pools[world].run(tables_agree, checkpoints(arch), layout)
-    ):
-        assert not differences, f"rank {rank}: {differences}"
+    for rank, disagree in enumerate(rank_pools[world].run(tables_agree, checkpoints(arch), layout)):
+        assert not disagree, f"rank {rank}: {disagree}"
 
 
 @pytest.mark.parametrize(
@@ -188,6 +185,5 @@ def test_an_fp8_release_loads_as_megatron_bridges_dequantisation(
         rank_pools[2].run(bridge_and_megastart, str(directory), {"tp": 2}, "bfloat16")
     ):
         assert report is not None, f"rank {rank}: megastart left the load to the bridge"
-        for name in theirs:
-            same = torch.equal(theirs[name].nan_to_num(7.0), ours[name].nan_to_num(7.0))
-            assert same, f"rank {rank}: {name} differs from the bridge's load"
+        differ = differences(theirs, ours)
+        assert not differ, f"rank {rank}: these differ from the bridge's load: {differ}"

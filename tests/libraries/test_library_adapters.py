@@ -15,7 +15,7 @@ import importlib.util
 from typing import Any
 
 import pytest
-import torch
+from support.bridge_ranks import differences
 
 from megastart.harness.launch import RankPool
 
@@ -35,14 +35,6 @@ def qwen3(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(make_checkpoint("qwen3", tmp_path_factory.mktemp("qwen3")))
 
 
-def same_state(theirs: dict[str, torch.Tensor], ours: dict[str, torch.Tensor]) -> list[str]:
-    """The tensors that differ (NaN-poisoned ones compare equal only if both stayed NaN)."""
-    assert theirs.keys() == ours.keys()
-    return [
-        n for n in theirs if not torch.equal(theirs[n].nan_to_num(7.0), ours[n].nan_to_num(7.0))
-    ]
-
-
 def assert_loaded_as_the_library(runs: list[dict[str, Any]], module: str, host: str) -> None:
     """Each rank of :func:`support.library_ranks.theirs_then_ours`: the library's own load
     reached no hook, megastart's reached ``on_model_load`` once (``host``'s adapter on
@@ -52,7 +44,7 @@ def assert_loaded_as_the_library(runs: list[dict[str, Any]], module: str, host: 
         assert out["calls_theirs"] == [], f"rank {rank}: a host adapter above answered the load"
         assert out["calls"] == [("on_model_load", {"host": host, "report": True})]
         assert not any(t.isnan().any() for t in out["ours"].values()), f"rank {rank}"
-        assert not same_state(out["theirs"], out["ours"]), f"rank {rank}"
+        assert not differences(out["theirs"], out["ours"]), f"rank {rank}"
 
 
 @needs_bridge
@@ -91,7 +83,28 @@ def test_a_provider_with_load_weights_is_loaded_by_megastart_bit_for_bit(
 
     for rank, out in enumerate(rank_pools[2].run(provider_with_load_weights, qwen3, {"tp": 2})):
         assert out["calls"] == [("on_model_load", {"host": "megatron-bridge", "report": True})]
-        assert not same_state(out["theirs"], out["ours"]), f"rank {rank}"
+        assert not differences(out["theirs"], out["ours"]), f"rank {rank}"
+
+
+@pytest.mark.parametrize("seen_on", [0, 1], ids=["rank0-sees-it", "rank1-sees-it"])
+def test_a_checkpoint_directory_seen_on_some_ranks_only_is_loaded_as_rank_0_sees_it(
+    rank_pools: dict[int, RankPool], qwen3: str, tmp_path: Any, seen_on: int
+) -> None:
+    """A directory mounted on some nodes only: every rank loads the way rank 0 sees it (its
+    reader), megastart's load or the library's own, never some one and some the other (their
+    collectives would never meet)."""
+    from support.library_ranks import library_load_seeing
+
+    sources = [qwen3 if rank == seen_on else str(tmp_path / "not-mounted") for rank in range(2)]
+    runs = rank_pools[2].run(library_load_seeing, qwen3, sources, {"tp": 2})
+    for rank, out in enumerate(runs):
+        if seen_on == 0:
+            assert out["own"] == [], f"rank {rank} ran the library's own load"
+            assert out["calls"] == [("on_model_load", {"host": "megatron-core", "report": True})]
+            assert not any(t.isnan().any() for t in out["state"].values()), f"rank {rank}"
+        else:
+            assert out["own"] == [sources[rank]], f"rank {rank} did not run the library's load"
+            assert out["calls"] == [], f"rank {rank} went through megastart: {out['calls']}"
 
 
 @pytest.mark.parametrize("layout", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])

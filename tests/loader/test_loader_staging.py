@@ -2,7 +2,7 @@
 shape bit-exact on several threads within its bounded chunks, and the registration of the
 load's file mappings registers each block once, in order, only what is in the page cache,
 splits copies at block boundaries, and unregisters everything on every way out; a refusal
-stops it with one log line.
+stops it with one log line. The node's shared segments page-lock through the same driver.
 
 The GPU suite (tests/gpu/test_gpu_warm_loads.py) runs the same code against CUDA; here the
 ring's chunks and targets are CPU tensors, and the driver records what a GPU's would be
@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -264,3 +265,51 @@ def test_registration_unregisters_what_it_registered_when_its_thread_fails() -> 
     with pytest.raises(OSError, match="mincore failed"):
         registrations.close()
     assert driver.unregistered == [blocks[0].address]
+
+
+class ThreadRecorder(Recorder):
+    """A :class:`Recorder` that also notes the thread of each call."""
+
+    def __init__(self, refuse_after: int | None = None) -> None:
+        super().__init__(refuse_after)
+        self.threads: list[int] = []
+
+    def register(self, address: int, nbytes: int, flags: int) -> int:
+        self.threads.append(threading.get_ident())
+        return super().register(address, nbytes, flags)
+
+    def unregister(self, address: int) -> int:
+        self.threads.append(threading.get_ident())
+        return super().unregister(address)
+
+
+def test_a_shared_segment_is_page_locked_through_the_ranks_driver_off_the_callers_thread() -> None:
+    """The node's shared buckets register with CUDA where the staging ring and the page cache
+    do (the rank's driver), on a thread of their own: a refused call's CUDA error is not left
+    on the caller's thread, where torch would raise it at its next kernel launch."""
+    from megastart.loader.shm import Segment
+
+    driver = ThreadRecorder()
+    segment = Segment.create(3 * mmap.PAGESIZE)
+    try:
+        assert segment.tensor is not None
+        address = segment.tensor.data_ptr()
+        segment.pin(driver)
+        assert driver.registered == [(address, 3 * mmap.PAGESIZE, 0)]
+    finally:
+        segment.unlink()
+        segment.close()
+    assert driver.unregistered == [address]
+    assert threading.get_ident() not in driver.threads and len(driver.threads) == 2
+
+
+def test_a_refused_page_lock_of_a_shared_segment_names_the_fix() -> None:
+    from megastart.loader.shm import Segment
+
+    segment = Segment.create(mmap.PAGESIZE)
+    try:
+        with pytest.raises(RuntimeError, match=r"shared-memory segment.*ulimit -l"):
+            segment.pin(Recorder(refuse_after=0))
+    finally:
+        segment.unlink()
+        segment.close()

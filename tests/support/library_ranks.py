@@ -18,7 +18,7 @@ import torch
 
 import megastart
 from support.bridge_ranks import build as bridge_build
-from support.bridge_ranks import import_megatron_bridge, poison, state
+from support.bridge_ranks import differences, import_megatron_bridge, poison, state
 
 FORWARD_STEPS: list[int] = []
 """Micro-batches run by :func:`forward_step` in this rank."""
@@ -245,7 +245,7 @@ def nemo_rl_sequence(checkpoint: str, saved: str, layout: dict[str, int]) -> dic
             initialize_megatron(**layout)
             chunks = provide(bridge, layout, load_weights=False)
             restore_checkpoint(chunks, saved)  # a bare dist_checkpointing.load: no hook
-            same = not same_state_names(state(converted), state(chunks))
+            same = not differences(state(converted), state(chunks))
             with ddp_schedule(chunks) as run:
                 run(forward_only=True)
                 run(forward_only=False)
@@ -258,11 +258,6 @@ def nemo_rl_sequence(checkpoint: str, saved: str, layout: dict[str, int]) -> dic
         "warmup": warmup,
         "same": same,
     }
-
-
-def same_state_names(theirs: dict[str, torch.Tensor], ours: dict[str, torch.Tensor]) -> list[str]:
-    """The tensors of two states that differ."""
-    return [n for n in theirs if not torch.equal(theirs[n], ours[n])]
 
 
 def process_groups() -> set[Any]:
@@ -286,3 +281,36 @@ def mbridge_load_weights(checkpoint: str, layout: dict[str, int]) -> dict[str, A
         bridge = mbridge.AutoBridge.from_pretrained(checkpoint, dtype=torch.float32)
         chunks = build(checkpoint)
         return theirs_then_ours(recorder, chunks, lambda: bridge.load_weights(chunks, checkpoint))
+
+
+def library_load_seeing(
+    checkpoint: str, sources: list[str], layout: dict[str, int]
+) -> dict[str, Any]:
+    """A library's HF loader of ``checkpoint``'s model called on every rank, each rank given
+    its own entry of ``sources`` (a directory mounted on some nodes only): which load ran here
+    (megastart's, through ``on_model_load``, or the library's own), and the state it left."""
+    import torch.distributed as dist
+
+    from megastart.engines.megatron_core import MegatronCoreScheduleAdapter
+    from support.loader_ranks import build, megatron
+
+    source = sources[dist.get_rank()]
+    own: list[str] = []
+
+    def libraries_own_load(model: list[Any], path: str) -> list[Any]:
+        own.append(path)
+        return model
+
+    adapter = MegatronCoreScheduleAdapter()  # a library adapter: its load_if_served
+    with recording() as recorder, megatron(layout):
+        chunks = build(checkpoint)
+        poison(chunks)
+        adapter.load_if_served(
+            libraries_own_load,
+            (chunks, source),
+            {},
+            source,
+            context=adapter.model_context,
+            model_at=0,
+        )
+        return {"own": own, "calls": recorder.calls, "state": state(chunks)}

@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from support.library_ranks import recording, same_state_names, state, warmed_since
+from support.bridge_ranks import differences
+from support.library_ranks import recording, state, warmed_since
 
 
 def megatron_lm_resume(
@@ -76,7 +77,7 @@ def megatron_lm_resume(
         resumed = ddp_model()
         iteration, _ = load(resumed, None, None)
         warmup = warmed_since(before)
-        same = not same_state_names(state(trained), state(resumed))
+        same = not differences(state(trained), state(resumed))
         args.load = saved + "-empty"
         fresh, _ = load(ddp_model(), None, None)
         destroy_num_microbatches_calculator()
