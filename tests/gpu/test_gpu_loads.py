@@ -68,11 +68,11 @@ MEAN_ERROR = 0.05
 """bf16 TE logits against transformers' float32 ones, mean absolute difference (0.009 to 0.027
 with the local specs in bf16 on the CPU). Not the largest: in bf16 a router can pick another
 expert for a token (Qwen3-MoE: 1.27 at one logit on the CPU, argmax unchanged)."""
-DECISIVE_MARGIN = 2.0
+DECISIVE_MARGIN = 0.25
 """A position decides the argmax when transformers' best logit leads its second by more than
-this many times the largest difference seen: there bf16 cannot flip it, so it must agree.
-(A random tiny model has near ties: DeepSeek-V3 with routed experts on an H100 agreed on 13
-of 16 positions at a largest difference of 0.07, every disagreement a tie closer than that.)"""
+this: bf16 moves these logits by 0.05-0.11 at most (where the routers agree), so there the
+argmax must agree. A random tiny model has near ties elsewhere: DeepSeek-V3 with routed
+experts on an H100 agreed on 13 of 16 positions, each disagreement a tie closer than 0.14."""
 
 
 @pytest.mark.parametrize("name", LOGIT_CASES)
@@ -85,7 +85,7 @@ def test_built_in_tables_give_transformers_logits_on_te_models(
     mean, largest = error.mean().item(), error.max().item()
     agree = got["logits"].argmax(-1) == want.argmax(-1)
     top2 = want.topk(2, dim=-1).values
-    decisive = (top2[..., 0] - top2[..., 1]) > DECISIVE_MARGIN * largest
+    decisive = (top2[..., 0] - top2[..., 1]) > DECISIVE_MARGIN
     print(
         f"GPU-RESULT logits {name}: mean error {mean:.4f}, max {largest:.4f}, "
         f"argmax {agree.float().mean().item():.0%} ({int(agree[decisive].sum())} of "
