@@ -98,6 +98,8 @@ def build_model(checkpoint: str, layout: dict[str, Any], device: str = "cpu") ->
 
     For ``cuda`` the chunks are built on CPU and moved to this rank's GPU (rank modulo the
     GPUs visible: several ranks may share one), and the CPU shims are removed again.
+    The parameters start as zeros, not random: every load overwrites what it loads, and the
+    random initialisation of a 4 GB model took longer than all of a strategy's loads.
     """
     import torch
     import torch.distributed as dist
@@ -112,7 +114,10 @@ def build_model(checkpoint: str, layout: dict[str, Any], device: str = "cpu") ->
     dtype = getattr(torch, layout.get("dtype") or max(set(dtypes), key=dtypes.count))
     initialize_megatron(tp=layout["tp"], pp=layout["pp"], vpp=layout["vpp"], ep=layout["ep"])
     hf_config = AutoConfig.from_pretrained(checkpoint)
-    chunks = build_gpt_chunks(hf_config, dtype=dtype)
+    chunks = build_gpt_chunks(hf_config, dtype=dtype, perform_initialization=False)
+    with torch.no_grad():
+        for parameter in (p for chunk in chunks for p in chunk.parameters()):
+            parameter.zero_()
     if device == "cuda":
         remove_shims()
         torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
