@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megastart.cli import main
+from megastart.harness.launch import RankPool
 
 STRATEGIES = ("megastart", "megastart_shm", "every_rank_full", "stage_reader", "mmap_slices")
 
@@ -72,15 +73,18 @@ def test_every_strategy_loads_megastarts_weights_on_every_rank(
         assert f"{name} " in table
 
 
-def test_load_changed_the_randomly_initialised_weights(bench: tuple[dict, str]) -> None:
+def test_load_changed_the_randomly_initialised_weights(
+    bench: tuple[dict, str], rank_pools: dict[int, RankPool]
+) -> None:
     """Equal checksums would prove nothing if no strategy had written anything."""
     from megastart.bench import strategies
-    from megastart.harness.launch import RankPool
 
     results, _ = bench
-    with RankPool(4) as pool:
-        pool.run(strategies.build_model, results["checkpoint"], results["layout"])
+    pool = rank_pools[4]
+    pool.run(strategies.build_model, results["checkpoint"], results["layout"])
+    try:
         unloaded = pool.run(strategies.checksum)
+    finally:
         pool.run(strategies.teardown)
     assert all(
         a != b
@@ -105,45 +109,46 @@ def test_bytes_read_follow_each_strategys_io_pattern(
     assert read["megastart"] <= read["mmap_slices"] < 1.1 * read["megastart"]
 
 
-def test_two_simulated_nodes_send_the_second_only_what_it_needs(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> None:
-    """TP2 x PP2 on two nodes of two ranks: node 1 holds stage 1, so less than the
-    checkpoint crosses between the nodes, and the weights are the same as mmap_slices'."""
-    results, table = run_bench(
+@pytest.fixture(scope="module")
+def two_nodes(
+    bench: tuple[dict, str], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[dict, str]:
+    """TP2 x PP2 on two simulated nodes of two ranks, megastart once per reader (``--readers
+    global,striped``) with ``--read-gbps``, on the checkpoint the ``bench`` run generated."""
+    return run_bench(
         tmp_path_factory.mktemp("nodes"),
         "--ranks=4",
         "--tp=2",
         "--pp=2",
         "--ranks-per-node=2",
-        "--size-gb=0.005",
-        "--strategies=megastart,mmap_slices",
-        "--page-cache=warm",
-    )
-    between = results["strategies"]["megastart"]["bytes_between_nodes"]
-    assert 0 < between < results["checkpoint_bytes"]
-    assert results["strategies"]["mmap_slices"]["weights_match_megastart"]
-    assert "2 simulated nodes of 2 ranks" in table
-
-
-def test_readers_run_megastart_once_per_reader_each_reading_the_checkpoint_once(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> None:
-    """``--readers global,striped`` on two nodes of two ranks: two megastart rows with the
-    same weights, each reading the checkpoint once; ``--read-gbps`` is reported."""
-    results, table = run_bench(
-        tmp_path_factory.mktemp("readers"),
-        "--ranks=4",
-        "--tp=2",
-        "--pp=2",
-        "--ranks-per-node=2",
-        "--size-gb=0.005",
+        f"--checkpoint={bench[0]['checkpoint']}",
         "--strategies=megastart",
         "--readers=global,striped",
         "--read-gbps=1",
         "--transport=gloo",
         "--page-cache=warm",
     )
+
+
+def test_two_simulated_nodes_send_the_second_only_what_it_needs(
+    bench: tuple[dict, str], two_nodes: tuple[dict, str]
+) -> None:
+    """Node 1 holds stage 1, so less than the checkpoint crosses between the nodes, and each
+    rank's weights are those every strategy loaded on one node."""
+    results, table = two_nodes
+    between = results["strategies"]["megastart[global]"]["bytes_between_nodes"]
+    assert 0 < between < results["checkpoint_bytes"]
+    one_node = bench[0]["strategies"]["mmap_slices"]["checksums"]
+    assert results["strategies"]["megastart[global]"]["checksums"] == one_node
+    assert "2 simulated nodes of 2 ranks" in table
+
+
+def test_readers_run_megastart_once_per_reader_each_reading_the_checkpoint_once(
+    two_nodes: tuple[dict, str],
+) -> None:
+    """``--readers global,striped``: two megastart rows with the same weights, each reading
+    the checkpoint once; ``--read-gbps`` is reported."""
+    results, table = two_nodes
     rows = results["strategies"]
     assert list(rows) == ["megastart[global]", "megastart[striped]"]
     assert rows["megastart[global]"]["checksums"] == rows["megastart[striped]"]["checksums"]

@@ -17,8 +17,6 @@ from support.loader_ranks import (
     reference_logits,
 )
 
-from megastart.harness.launch import RankPool
-
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 RANKS_PER_NODE = 2
@@ -156,11 +154,10 @@ def _header_bytes(directory: str) -> int:
     return total
 
 
-def test_world_of_eight_dp2_tp2_pp2_on_four_nodes(checkpoints: Any) -> None:
+def test_world_of_eight_dp2_tp2_pp2_on_four_nodes(rank_pools: Any, checkpoints: Any) -> None:
     """Four nodes of two ranks: three leaders relay what their node needs."""
     directory, expected = checkpoints("qwen2", True)
-    with RankPool(8, timeout_s=300) as pool:
-        results = pool.run(load_as_nodes, directory, {"tp": 2, "pp": 2}, RANKS_PER_NODE, {})
+    results = rank_pools[8].run(load_as_nodes, directory, {"tp": 2, "pp": 2}, RANKS_PER_NODE, {})
     assert_logits_match(results, expected)
 
 

@@ -95,12 +95,9 @@ def test_logits_match_transformers(
     assert report.tensors == len(read_metadata(directory, allow_pickle=False).tensors)
 
 
-def test_world_of_eight_tp2_pp2_ep2(checkpoints: Any) -> None:
-    from megastart.harness.launch import RankPool
-
+def test_world_of_eight_tp2_pp2_ep2(rank_pools: Any, checkpoints: Any) -> None:
     directory, expected = checkpoints("qwen2_moe")
-    with RankPool(8, timeout_s=300) as pool:
-        results = pool.run(load_as_nodes, directory, {"tp": 2, "pp": 2, "ep": 2}, 2, {})
+    results = rank_pools[8].run(load_as_nodes, directory, {"tp": 2, "pp": 2, "ep": 2}, 2, {})
     for rank, (_, logits) in enumerate(results):
         assert (logits - expected).abs().max().item() <= 1e-4, f"rank {rank}"
 
