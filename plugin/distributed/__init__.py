@@ -19,7 +19,7 @@ waiting costs the store about a request a second per node. :class:`Sticky` makes
 process fail at once when it is made again.
 
 The modules: :mod:`.errors`, :mod:`.polling`, :mod:`.page`, :mod:`.board`, :mod:`.groups`, :mod:`.agreement`,
-:mod:`.sticky`, :mod:`.control`, :mod:`.kept`.
+:mod:`.sticky`, :mod:`.control` (its collectives' bytes: :mod:`.wire`), :mod:`.kept`.
 """
 
 from megastart.distributed.agreement import (
