@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from megastart.distributed.groups import LocalGroup
-from megastart.distributed.wire import allgather, broadcast
+from megastart.distributed.wire import allgather, broadcast, gather
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -64,9 +64,10 @@ def tree_levels(
 
 
 class Control:
-    """The groups of the tree this rank is in, bottom up, and the two collectives megastart's
-    phases need on them: every rank's report on every rank (:meth:`gather`) and rank 0's
-    value on every rank (:meth:`broadcast`). Each group's first rank leads it.
+    """The groups of the tree this rank is in, bottom up, and the collectives megastart's
+    phases need on them: every rank's report on every rank (:meth:`gather`) or on rank 0
+    (:meth:`gather_up`), rank 0's value on every rank (:meth:`broadcast`), and each node's
+    own value from rank 0 (:meth:`scatter`). Each group's first rank leads it.
 
     :param top: the tree's top group, where known (to its ranks and every node leader): its
         ranks hold every report once they have exchanged theirs.
@@ -108,6 +109,41 @@ class Control:
         elif len(self.groups) > 1:  # the top's ranks lead groups below it
             self._down(pickle.dumps(held), timeout_s)
         return [held[rank] for rank in range(self.world)]
+
+    def gather_up(self, value: Any, *, timeout_s: float) -> dict[int, Any]:
+        """Every rank's ``value`` (picklable) on rank 0, by rank; elsewhere what passed through
+        this rank on its way up: its node's (a node's ranks exchange theirs), and on a leader
+        those of the nodes below it.
+
+        Above the nodes, each group's rank sends to its leader only (:func:`~megastart.distributed.wire.gather`):
+        a rank receives its node's values and its groups' sizes, not the world's. Values that
+        pickle the same (a node's tensor-parallel replicas) cross each group once and are
+        unpickled once, into one object. Each exchange waits at most ``timeout_s``.
+        """
+        import torch.distributed as dist
+
+        held: dict[int, bytes] = {dist.get_rank(): pickle.dumps(value)}
+        interned: dict[bytes, bytes] = {}  # one object per distinct value: pickled once each
+        for group in self.groups:
+            if group.ranks == self.node:
+                parts: list[bytes] | None = allgather(group, pickle.dumps(held), timeout_s)
+            else:
+                parts = gather(group, pickle.dumps(held), timeout_s)
+            if parts is None:  # its leader carries them up
+                break
+            for part in parts:
+                held |= {r: interned.setdefault(b, b) for r, b in pickle.loads(part).items()}
+        loaded: dict[int, Any] = {}  # by the pickled bytes' id
+        for data in held.values():
+            if id(data) not in loaded:
+                loaded[id(data)] = pickle.loads(data)
+        return {rank: loaded[id(data)] for rank, data in sorted(held.items())}
+
+    @property
+    def holds_all(self) -> bool:
+        """Whether :meth:`gather_up` leaves every rank's value on every rank (one node, or one
+        rank)."""
+        return not self.groups or self.top == self.node
 
     def broadcast(self, value: Any, *, timeout_s: float) -> Any:
         """Rank 0's ``value`` (picklable) on every rank; rank 0 leads every group it is in."""

@@ -50,6 +50,32 @@ def allgather(group: LocalGroup, payload: bytes, timeout_s: float) -> list[bytes
     ]
 
 
+def gather(group: LocalGroup, payload: bytes, timeout_s: float) -> list[bytes] | None:
+    """Every rank of ``group``'s ``payload``, in its order, on its leader (``None`` on the
+    others): the heads go to every rank (each learns the longest), the rests to the leader
+    alone, so a rank receives its group's heads, not its payloads."""
+    import torch
+
+    heads = [torch.empty(8 + INLINE_BYTES, dtype=torch.uint8) for _ in group.ranks]
+    wait(group, group.all_gather(heads, _head(payload), timeout_s=timeout_s), timeout_s)
+    sizes = [int(head[:8].view(torch.int64)) for head in heads]
+    longest = max(sizes)
+    rests = []
+    if longest > INLINE_BYTES:
+        mine = torch.zeros(longest - INLINE_BYTES, dtype=torch.uint8)
+        mine[: max(0, len(payload) - INLINE_BYTES)] = _bytes(payload[INLINE_BYTES:])
+        if group.index == 0:
+            rests = [torch.empty_like(mine) for _ in group.ranks]
+        wait(group, group.gather(rests, mine, timeout_s=timeout_s), timeout_s)
+    if group.index != 0:
+        return None
+    return [
+        head[8 : 8 + min(size, INLINE_BYTES)].numpy().tobytes()
+        + (rests[i][: size - INLINE_BYTES].numpy().tobytes() if size > INLINE_BYTES else b"")
+        for i, (head, size) in enumerate(zip(heads, sizes, strict=True))
+    ]
+
+
 def broadcast(group: LocalGroup, payload: bytes, timeout_s: float) -> bytes:
     """``group``'s leader's ``payload`` (the others' is ignored): its size and first
     :data:`INLINE_BYTES`, then the rest if it is longer."""
