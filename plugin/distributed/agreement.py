@@ -227,6 +227,8 @@ def check_agreed(what: str, everyone: Sequence[Mapping[str, Any]], *, fix: str) 
 def disagreement(what: str, everyone: Sequence[Mapping[str, Any]], *, fix: str) -> str | None:
     """The error of :func:`check_agreed` (``None``: the values agree), for a rank that
     decides for the others."""
+    if all(theirs == everyone[0] for theirs in everyone):  # at 8,192 ranks, in milliseconds
+        return None
     differ = []
     for key in everyone[0] if everyone else ():
         ranks_by_value: dict[str, list[int]] = {}
