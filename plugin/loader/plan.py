@@ -185,14 +185,19 @@ def _consumers(
     users: dict[str, list[int]] = {}  # indices into held
     dtypes: dict[str, frozenset[str]] = {}
     unions: dict[tuple[frozenset[str], str], frozenset[str]] = {}
+    none: frozenset[str] = frozenset()
     for index, (demands, _) in enumerate(held):
         for names, dtype in demands:
-            for name in names:
-                its = users.setdefault(name, [])
-                if not its or its[-1] != index:
+            for name in names:  # run once per name and distinct object: allocate nothing here
+                its = users.get(name)
+                if its is None:
+                    users[name] = [index]
+                elif its[-1] != index:
                     its.append(index)
-                key = (dtypes.get(name, frozenset()), dtype)
-                dtypes[name] = unions.get(key) or unions.setdefault(key, key[0] | {dtype})
+                wanted = dtypes.get(name, none)
+                if dtype not in wanted:
+                    key = (wanted, dtype)
+                    dtypes[name] = unions.get(key) or unions.setdefault(key, wanted | {dtype})
     first = (0,) if to_reader else ()
     ranks_of: dict[tuple[int, ...], tuple[int, ...]] = {}
     ranks: dict[str, tuple[int, ...]] = {}
