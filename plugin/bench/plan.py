@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="plan for a world of this many ranks instead: one rank of each role (reader, node "
-        "leader, member), with the whole world's demands as the all-gather hands them over",
+        "leader, member), with the reports and views as the control plane hands them over",
     )
     parser.add_argument(
         "--ranks-per-node", type=int, default=8, help="with --world: ranks per node (default: 8)"
@@ -119,14 +119,15 @@ def render_world(results: dict[str, Any]) -> str:
     lines = [
         f"{results['model']}: {results['tensors']:,} checkpoint tensors; {results['world']:,} "
         f"ranks, {results['ranks_per_node']} per node, TP{layout['tp']} PP{layout['pp']} "
-        f"EP{layout['ep']}; the all-gathered demands: {results['demands_mb']:.1f} MB (pickled)",
-        f"  {'role':<7} {'rank':>6} {'plan s':>8} {'plan MB':>8} {'groups (leaders)':>19} {'control':>7} "
-        f"{'store req/s waiting (first 3 s, then)':>38}",
+        f"EP{layout['ep']}; every rank's report: {results['demands_mb']:.1f} MB (pickled)",
+        f"  {'role':<7} {'rank':>6} {'plan s':>8} {'plan MB':>8} {'recv MB':>8} "
+        f"{'groups (leaders)':>19} {'control':>7} {'store req/s waiting (first 3 s, then)':>38}",
     ]
     for role, figures in results["roles"].items():
         rps = figures["store_rps"]
         lines.append(
             f"  {role:<7} {figures['rank']:>6} {figures['plan_s']:>8.3f} {figures['plan_mb']:>8.1f} "
+            f"{figures['received_mb']:>8.2f} "
             f"{figures['groups']:>7,} {'(' + format(figures['between_leaders'], ',') + ')':>11} "
             f"{figures['control_groups']:>7} "
             f"{rps['first']:>27.1f}, {rps['settled']:.1f}"
@@ -143,9 +144,11 @@ def render_world(results: dict[str, Any]) -> str:
         f"{world_rps['settled']:,.0f} after"
     )
     lines.append(
-        "  (reader=global, as by default; plan s: process CPU time from the gathered demands to "
+        "  (reader=global, as by default; plan s: process CPU time from the reports to "
         "the stream's first byte, best of --repeats; plan MB: peak Python memory allocated, the "
-        "gathered demands included; groups: process groups each rank creates per load, none over the world, leaders: "
+        "reports it holds included; recv MB: the bytes the control plane's tree brings it while "
+        "planning: the reports going up (rank 0 alone gets them all), the summary, its node's "
+        "view; groups: process groups each rank creates per load, none over the world, leaders: "
         "those between node leaders, made by those leaders alone; control: "
         "the control plane's groups it is in, kept; store req/s: one "
         "rank waiting at the board; node leaders look at the store, the other ranks at their "

@@ -3,14 +3,17 @@ world of ``N`` ranks, measured in one process without starting ``N`` of them.
 
 Every rank's demands are made as the ranks would make them (each distinct pipeline stage
 and expert-parallel rank's parameters resolved against the synthetic checkpoint; tensor-
-and data-parallel ranks share them), pickled as the planning phase's all-gather hands them
-to every rank, and then one rank of each role (the reader, rank 0; the leader of the second
-node; a member of the second) runs what ``load_hf_checkpoint`` runs on it before the
-first byte moves, with the loader's own functions: on the reader, the unused tensors, the
-plan and each node's view of it; on the others, their node's view as the control plane
-hands it down; on each, the stream's process groups and its lookups of where each bucket
+and data-parallel ranks share them), and its report pickled as the planning phase sends it
+up the control plane's tree to rank 0 (:meth:`~megastart.distributed.Control.gather_up`);
+then one rank of each role (the reader, rank 0; the leader of the second node; a member of
+the second) runs what ``load_hf_checkpoint`` runs on it before the first byte moves, with
+the loader's own functions: on the reader, the summary of every rank's report, the unused
+tensors, the plan and each node's view of it; on the others, their node's reports, the
+summary and their node's view as the control plane hands them down; on each, the stream's
+process groups and its lookups of where each bucket
 goes. Figures per role: process CPU seconds (best of ``--repeats``), the peak of Python
-memory it allocated (``tracemalloc``, the gathered demands included), the process groups
+memory it allocated (``tracemalloc``, the reports it holds included), the bytes the tree
+brings it while planning (computed from the payloads as the tree makes them), the process groups
 each load makes (``between_leaders``: the groups between node leaders it is in, made by
 those leaders alone; and the node's own two, made by its ranks alone; none a collective
 over the world) and the groups of the control
@@ -44,21 +47,18 @@ def measure_world(
     bucket_mb: float,
     repeats: int,
 ) -> dict[str, Any]:
-    """The figures of each role (``plan_s``, ``plan_mb``, ``groups``, ``store_rps``) and the
-    world's size (``demands_mb``: the all-gathered demands, as pickled).
+    """The figures of each role (``plan_s``, ``plan_mb``, ``received_mb``, ``groups``,
+    ``store_rps``) and the world's size (``demands_mb``: every rank's report, as pickled, what
+    an all-gather would hand every rank).
 
     :param demands_by_rank: every rank's demands (:meth:`~megastart.loader.needs.Need.demands`).
     """
     from megastart.distributed import tree_levels
-    from megastart.loader.plan import packed
     from megastart.loader.route import Nodes
 
-    # Each rank packs its demands into what it shares (replicas the same bytes); every rank
-    # unpickles all of that.
-    packs = {id(d): packed(d, meta) for d in demands_by_rank}
-    gathered = [pickle.dumps((r, packs[id(d)])) for r, d in enumerate(demands_by_rank)]
-    world = len(gathered)
+    world = len(demands_by_rank)
     keys = [("node", r - r % ranks_per_node) for r in range(world)]
+    reports = shared_reports(demands_by_rank, meta, keys)
     # a member of the second node: one of the reader's node takes the whole plan (its node's
     # view), as it takes its slices out of the page cache
     roles = {"reader": 0, "leader": ranks_per_node, "member": ranks_per_node + 1}
@@ -69,9 +69,10 @@ def measure_world(
         del roles["member"]
     nodes = world // ranks_per_node
     rates = {leads: store_requests_per_second(leads=leads, nodes=nodes) for leads in (True, False)}
-    tree = [group for level in tree_levels(Nodes.of(keys).members) for group in level]
+    levels = tree_levels(Nodes.of(keys).members)
+    tree = [group for level in levels for group in level]
     results: dict[str, Any] = {
-        "demands_mb": sum(map(len, gathered)) / 2**20,
+        "demands_mb": sum(map(len, reports)) / 2**20,
         "roles": {},
         "control": {  # kept for the process: made by its first load
             "groups": len(tree),
@@ -81,13 +82,15 @@ def measure_world(
             "store_requests": sum(len(g) * (len(g) - 1) for g in tree) + 8 * world,
         },
     }
+    up = received_up(reports, levels, set(roles.values()))
     for role, rank in roles.items():
-        work = _planning(gathered, meta, keys, rank, role, bucket_mb)
+        work, down = _planning(reports, meta, keys, rank, role, bucket_mb)
         made = work()
         results["roles"][role] = {
             "rank": rank,
             "plan_s": _best_cpu(repeats, work),
             "plan_mb": _peak_mb(work),
+            "received_mb": (up[rank] + down) / 2**20,
             "groups": made["groups"],
             "between_leaders": made["between_leaders"],
             "control_groups": sum(rank in group for group in tree),
@@ -100,67 +103,125 @@ def measure_world(
     return results
 
 
+def shared_reports(
+    demands_by_rank: list[Any], meta: Any, keys: list[tuple[str, int]]
+) -> list[bytes]:
+    """Each rank's report of the planning phase's mapping, pickled as it goes up the control
+    plane (:func:`~megastart.distributed.all_or_none`'s report of a
+    :class:`~megastart.loader.planning.RankDemands`; a node's replicas the same bytes)."""
+    import dataclasses
+
+    from megastart.loader.plan import packed
+    from megastart.loader.planning import RankDemands
+    from megastart.loader.settings import Rank0LoaderSettings
+
+    packs = {id(d): packed(d, meta) for d in demands_by_rank}
+    agreed = dataclasses.asdict(Rank0LoaderSettings())
+    del agreed["progress"]
+    made: dict[tuple[Any, int], bytes] = {}
+    for rank, demands in enumerate(demands_by_rank):
+        key = (keys[rank], id(demands))
+        if key not in made:
+            report = RankDemands(keys[rank], packs[id(demands)], "cuda", [], True, agreed)
+            made[key] = pickle.dumps((None, False, report))
+    return [made[(keys[r], id(d))] for r, d in enumerate(demands_by_rank)]
+
+
+def received_up(
+    reports: list[bytes], levels: list[list[tuple[int, ...]]], ranks: set[int]
+) -> dict[int, int]:
+    """Bytes each of ``ranks`` receives while the reports go up the control plane's tree
+    (:meth:`~megastart.distributed.Control.gather_up`, its payloads made as it makes them): in
+    its node's group every other rank's payload, in a group of leaders the others' heads, and
+    on that group's leader their payloads."""
+    from megastart.distributed.wire import INLINE_BYTES
+
+    held: dict[int, dict[int, bytes]] = {r: {r: data} for r, data in enumerate(reports)}
+    interned: dict[bytes, bytes] = {}
+    received = dict.fromkeys(ranks, 0)
+    for depth, level in enumerate(levels):
+        for group in level:
+            sizes = [len(pickle.dumps(held[r])) for r in group]
+            rest = max(0, max(sizes) - INLINE_BYTES)
+            for r in ranks.intersection(group):
+                others = len(group) - 1
+                payloads = depth == 0 or r == group[0]  # a node's group: an all-gather
+                received[r] += others * (8 + INLINE_BYTES + (rest if payloads else 0))
+            for r in group[1:]:  # its leader carries them up
+                held[group[0]] |= {k: interned.setdefault(b, b) for k, b in held[r].items()}
+    return received
+
+
 def _planning(
-    gathered: list[bytes],
+    reports: list[bytes],
     meta: Any,
     keys: list[tuple[str, int]],
     rank: int,
     role: str,
     bucket_mb: float,
-) -> Callable[[], dict[str, Any]]:
-    """What ``load_hf_checkpoint`` computes on ``rank`` between the planning phase's all-gather
-    and the stream's first byte (``reader=global``, as today's default): the reader plans the
-    buckets and cuts each node's view of them; another rank unpickles its node's view as the
-    control plane's scatter hands it over (:func:`~megastart.loader.planning.handed_out`)."""
+) -> tuple[Callable[[], dict[str, Any]], int]:
+    """What ``load_hf_checkpoint`` computes on ``rank`` between the planning phase's reports
+    and the stream's first byte (``reader=global``, as today's default), and the bytes it
+    receives down the tree: the reader unpickles every distinct report, summarises them
+    (:class:`~megastart.loader.planning.WorldDemands`), plans the buckets and cuts each
+    node's view of them; another rank unpickles its node's reports, the summary and its
+    node's view as the control plane hands them down
+    (:func:`~megastart.loader.planning.handed_out`)."""
     from megastart.distributed.control import scatter_parts
+    from megastart.distributed.wire import INLINE_BYTES
     from megastart.loader.mappings import mapping_for
-    from megastart.loader.plan import build_plan, demands_once, distinct, unused_tensors
-    from megastart.loader.planning import Outline, node_plan, node_views
+    from megastart.loader.plan import build_plan
+    from megastart.loader.planning import Outline, WorldDemands, node_plan, node_views
     from megastart.loader.route import Nodes, leader_sets
 
     table = mapping_for(meta.architectures[0])
     nodes = Nodes.of(keys)
     group = list(range(len(keys)))
 
-    def plan_all() -> tuple[Any, dict[int, Any], Outline]:
-        by_rank = demands_once([pickle.loads(shared)[1] for shared in gathered], meta)
-        unused_tensors(by_rank, meta, table)
-        plan = build_plan(by_rank, meta, bucket_bytes=int(bucket_mb * 2**20))
+    def plan_all() -> tuple[Any, dict[int, Any], Outline, bytes]:
+        loaded: dict[int, Any] = {}  # each distinct report unpickled once, as gather_up does
+        values = [loaded.get(id(b)) or loaded.setdefault(id(b), pickle.loads(b)) for b in reports]
+        world = WorldDemands(meta, table, value_model=False, fix="")
+        summary = pickle.dumps(world.summarise([value for _, _, value in values]))  # sent down
+        plan = build_plan(world.demands, meta, bucket_bytes=int(bucket_mb * 2**20))
         views = node_views(plan, nodes)
         pickle.dumps(scatter_parts(views))  # what the scatter sends down from the reader
-        tensors = len({n for d in distinct(by_rank) for names, _ in d for n in names})
         sizes = tuple(b.nbytes for b in plan.buckets)
-        outline = Outline(sizes, tuple(b.reader for b in plan.buckets), (0,), tensors)
-        return plan, views, outline
+        outline = Outline(sizes, tuple(b.reader for b in plan.buckets), (0,))
+        return plan, views, outline, summary
 
-    handed = b""
+    handed = summary = b""
+    down = 0
     plans = role == "reader" or len(nodes.members) == 1  # one node: every rank plans
-    if not plans:  # what the scatter hands this node, made once, outside the timing
-        _, views, outline = plan_all()
+    if not plans:  # what the tree hands this node, made once, outside the timing
+        _, views, outline, summary = plan_all()
         handed = pickle.dumps((views[nodes.leader_of[rank]], outline))
+        down = sum(8 + max(INLINE_BYTES, len(data)) for data in (summary, handed))
+    node = nodes.node_of(rank)
 
     def work() -> dict[str, Any]:
         if plans:
             plan = plan_all()[0]
         else:
-            # the gather's reports, which every rank still receives and holds in the phase
-            reports = [pickle.loads(shared) for shared in gathered]
+            # its node's reports, held in the phase, and rank 0's summary of the world's
+            held = [pickle.loads(reports[r]) for r in node]
+            pickle.loads(summary)
             view, outline = pickle.loads(handed)
             plan = node_plan(outline, view)
         # the sets of leaders a bucket reaches; this rank makes those it is in, with them alone
         made = [s for s in leader_sets(group, nodes, plan.receiver_sets) if rank in s]
         # the node's own two (headers, reports), made by its ranks alone; none on the reader's
         # node, which takes its slices out of the page cache
-        local = 2 if len(nodes.node_of(rank)) > 1 and rank not in nodes.members[0] else 0
+        local = 2 if len(node) > 1 and rank not in nodes.members[0] else 0
         if role == "member":  # Route.local_buckets: the buckets its leader announces
             looked = len(nodes.local_buckets(rank, plan))
         else:  # the reader's and the leaders' Route.leaders_for of every bucket
             looked = sum(len(nodes.leaders_reached(b.positions)) for b in plan.buckets)
         if not plans:
-            del reports  # held to here, as the load holds them
+            del held  # held to here, as the load holds them
         return {"groups": len(made) + local, "between_leaders": len(made), "looked": looked}
 
-    return work
+    return work, down
 
 
 def _best_cpu(repeats: int, work: Callable[[], Any]) -> float:

@@ -19,7 +19,7 @@ waiting costs the store about a request a second per node. :class:`Sticky` makes
 process fail at once when it is made again.
 
 The modules: :mod:`.errors`, :mod:`.polling`, :mod:`.page`, :mod:`.board`, :mod:`.groups`, :mod:`.agreement`,
-:mod:`.sticky`, :mod:`.control`, :mod:`.kept`.
+:mod:`.sticky`, :mod:`.control` (its collectives' bytes: :mod:`.wire`), :mod:`.kept`.
 """
 
 from megastart.distributed.agreement import (
@@ -28,6 +28,7 @@ from megastart.distributed.agreement import (
     all_or_none,
     broadcast_or_raise,
     check_agreed,
+    disagreement,
 )
 from megastart.distributed.board import PEER_GRACE_S, PROGRESS_LOOK_S, Board
 from megastart.distributed.control import FANOUT, Control, make_control, node_key, tree_levels
@@ -61,6 +62,7 @@ __all__ = [
     "Sticky",
     "agree",
     "check_agreed",
+    "disagreement",
     "all_or_none",
     "broadcast_or_raise",
     "destroy_group",

@@ -22,11 +22,18 @@ class Outcome:
     A rank may :meth:`share` one value; once the block has succeeded on every
     rank, :attr:`shared` holds every rank's, in rank order. The same
     all-gather carries the values and the verdict: sharing costs no collective.
+    With ``summarise``, the values go up to rank 0 alone, and every rank gets its
+    :attr:`summary` of them instead (and :attr:`held`).
     """
 
     def __init__(self) -> None:
         self._mine: Any = None
         self.shared: list[Any] = []
+        self.held: dict[int, Any] = {}
+        """With ``summarise``: the values that passed through this rank, by rank (its node's;
+        every rank's on rank 0, :meth:`~megastart.distributed.Control.gather_up`)."""
+        self.summary: Any = None
+        """With ``summarise``: rank 0's ``summarise(values)``, on every rank."""
 
     def share(self, value: Any) -> None:
         """Send ``value`` (small, picklable) to every rank with this rank's report."""
@@ -40,6 +47,7 @@ def all_or_none(
     timeout_s: float,
     control: Control,
     board: Board | None = None,
+    summarise: Callable[[list[Any]], Any] | None = None,
 ) -> Iterator[Outcome]:
     """Run the block on every rank; if it fails on any rank, raise on every rank.
 
@@ -51,6 +59,11 @@ def all_or_none(
     :param board: the call's :class:`Board`: an error is announced there as
         soon as it leaves the block; the message names the rank whose own error
         it was, not the ranks that stopped because of it (:class:`PeerFailed`).
+    :param summarise: the shared values (every rank's, in rank order) to what every rank
+        needs of them: they go up the tree to rank 0 alone, which decides the verdict and
+        sends it down with its summary (:attr:`Outcome.summary`). A rank receives its node's
+        values and the summary, not the world's values. Where every rank holds every value
+        (one node), each summarises them itself. Its error is rank 0's.
     """
     import torch.distributed as dist
 
@@ -65,25 +78,67 @@ def all_or_none(
     mine = None if local is None else describe(local)
     secondary = isinstance(local, PeerFailed)
     waited_s = timeout_s + 2 * PEER_GRACE_S  # a rank stalled in its own work names it first
+    report = (mine, secondary, outcome._mine if local is None else None)
     try:
-        reports: list[tuple[str | None, bool, Any]] = control.gather(
-            (mine, secondary, outcome._mine if local is None else None), timeout_s=waited_s
-        )
+        if summarise is None:
+            reports: list[tuple[str | None, bool, Any]] = control.gather(report, timeout_s=waited_s)
+            verdict = _verdict(what, reports)
+        else:
+            verdict = _summarised(what, report, outcome, summarise, control, waited_s)
     except Exception as e:
         here = "" if mine is None else f" failed on rank {dist.get_rank()}: {mine};"
         error = _unreported(what, here, "the other ranks did not report", waited_s, e, board)
         if board is not None and local is None:  # the peers still waiting stop with its cause
             board.announce(error)
         raise error from (local or e)
+    if verdict is not None:
+        raise CollectiveError(verdict) from local
+    if summarise is None:
+        outcome.shared = [value for _, _, value in reports]
+
+
+def _verdict(what: str, reports: Sequence[tuple[str | None, bool, Any]]) -> str | None:
+    """The error every rank raises for the ranks' ``reports`` (``None``: none failed): the
+    first rank's own error, and the others that failed of their own."""
     failed = sorted(  # a rank's own error first, then those it made others stop with
         (peer, rank, report) for rank, (report, peer, _) in enumerate(reports) if report is not None
     )
-    if failed:
-        _, first_rank, first = failed[0]
-        rest = sorted(rank for peer, rank, _ in failed[1:] if not peer)
-        others = f" (and on ranks {rest})" if rest else ""
-        raise CollectiveError(f"{what} failed on rank {first_rank}{others}: {first}") from local
-    outcome.shared = [value for _, _, value in reports]
+    if not failed:
+        return None
+    _, first_rank, first = failed[0]
+    rest = sorted(rank for peer, rank, _ in failed[1:] if not peer)
+    others = f" (and on ranks {rest})" if rest else ""
+    return f"{what} failed on rank {first_rank}{others}: {first}"
+
+
+def _summarised(
+    what: str,
+    report: tuple[str | None, bool, Any],
+    outcome: Outcome,
+    summarise: Callable[[list[Any]], Any],
+    control: Control,
+    timeout_s: float,
+) -> str | None:
+    """:func:`all_or_none`'s reports up to rank 0, and its verdict and summary down: the
+    verdict (``None``: none failed); the summary and the values held in ``outcome``."""
+    import torch.distributed as dist
+
+    held = control.gather_up(report, timeout_s=timeout_s)
+    decided: tuple[str | None, Any] = (None, None)
+    if control.holds_all or dist.get_rank() == 0:
+        verdict = _verdict(what, list(held.values()))
+        if verdict is None:
+            try:
+                decided = (None, summarise([value for _, _, value in held.values()]))
+            except Exception as e:  # raised on every rank, as rank 0's
+                decided = (f"{what} failed on rank 0: {describe(e)}", None)
+        else:
+            decided = (verdict, None)
+    if not control.holds_all:
+        decided = control.broadcast(decided, timeout_s=timeout_s)
+    outcome.held = {rank: value for rank, (_, _, value) in held.items()}
+    outcome.summary = decided[1]
+    return decided[0]
 
 
 def broadcast_or_raise(
@@ -164,6 +219,16 @@ def agree(
 def check_agreed(what: str, everyone: Sequence[Mapping[str, Any]], *, fix: str) -> None:
     """:func:`agree` on values already gathered (every rank's, in rank order), for a step
     that gathers them with something else: the same error on every rank."""
+    differ = disagreement(what, everyone, fix=fix)
+    if differ is not None:
+        raise CollectiveError(differ)
+
+
+def disagreement(what: str, everyone: Sequence[Mapping[str, Any]], *, fix: str) -> str | None:
+    """The error of :func:`check_agreed` (``None``: the values agree), for a rank that
+    decides for the others."""
+    if all(theirs == everyone[0] for theirs in everyone):  # at 8,192 ranks, in milliseconds
+        return None
     differ = []
     for key in everyone[0] if everyone else ():
         ranks_by_value: dict[str, list[int]] = {}
@@ -174,5 +239,4 @@ def check_agreed(what: str, everyone: Sequence[Mapping[str, Any]], *, fix: str) 
                 f"{key} is "
                 + ", ".join(f"{value} on ranks {ranks}" for value, ranks in ranks_by_value.items())
             )
-    if differ:
-        raise CollectiveError(f"{what}: the ranks' settings differ: {'; '.join(differ)}; {fix}")
+    return f"{what}: the ranks' settings differ: {'; '.join(differ)}; {fix}" if differ else None

@@ -13,28 +13,21 @@ collective over WORLD, and the host's process-group bookkeeping is left as it wa
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import os
 import pickle
 import socket
-import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from megastart.distributed.groups import LocalGroup
-from megastart.errors import CollectiveError
+from megastart.distributed.wire import allgather, broadcast, gather
 
 if TYPE_CHECKING:
-    import torch
     import torch.distributed as dist
 
 FANOUT = 32
 """The most node leaders in one group of the tree (a node's group holds all its ranks)."""
-
-
-class ControlFailed(CollectiveError):
-    """A collective of the control plane failed before its time was up (not a timeout)."""
 
 
 def node_key() -> tuple[str, int]:
@@ -71,9 +64,10 @@ def tree_levels(
 
 
 class Control:
-    """The groups of the tree this rank is in, bottom up, and the two collectives megastart's
-    phases need on them: every rank's report on every rank (:meth:`gather`) and rank 0's
-    value on every rank (:meth:`broadcast`). Each group's first rank leads it.
+    """The groups of the tree this rank is in, bottom up, and the collectives megastart's
+    phases need on them: every rank's report on every rank (:meth:`gather`) or on rank 0
+    (:meth:`gather_up`), rank 0's value on every rank (:meth:`broadcast`), and each node's
+    own value from rank 0 (:meth:`scatter`). Each group's first rank leads it.
 
     :param top: the tree's top group, where known (to its ranks and every node leader): its
         ranks hold every report once they have exchanged theirs.
@@ -108,13 +102,48 @@ class Control:
 
         held: dict[int, Any] = {dist.get_rank(): value}
         for group in self.groups:
-            for part in _allgather(group, pickle.dumps(held), timeout_s):
+            for part in allgather(group, pickle.dumps(held), timeout_s):
                 held.update(pickle.loads(part))
         if self.groups and self.top not in self.group_ranks:  # it all comes down from the top
             held = pickle.loads(self._down(b"", timeout_s))
         elif len(self.groups) > 1:  # the top's ranks lead groups below it
             self._down(pickle.dumps(held), timeout_s)
         return [held[rank] for rank in range(self.world)]
+
+    def gather_up(self, value: Any, *, timeout_s: float) -> dict[int, Any]:
+        """Every rank's ``value`` (picklable) on rank 0, by rank; elsewhere what passed through
+        this rank on its way up: its node's (a node's ranks exchange theirs), and on a leader
+        those of the nodes below it.
+
+        Above the nodes, each group's rank sends to its leader only (:func:`~megastart.distributed.wire.gather`):
+        a rank receives its node's values and its groups' sizes, not the world's. Values that
+        pickle the same (a node's tensor-parallel replicas) cross each group once and are
+        unpickled once, into one object. Each exchange waits at most ``timeout_s``.
+        """
+        import torch.distributed as dist
+
+        held: dict[int, bytes] = {dist.get_rank(): pickle.dumps(value)}
+        interned: dict[bytes, bytes] = {}  # one object per distinct value: pickled once each
+        for group in self.groups:
+            if group.ranks == self.node:
+                parts: list[bytes] | None = allgather(group, pickle.dumps(held), timeout_s)
+            else:
+                parts = gather(group, pickle.dumps(held), timeout_s)
+            if parts is None:  # its leader carries them up
+                break
+            for part in parts:
+                held |= {r: interned.setdefault(b, b) for r, b in pickle.loads(part).items()}
+        loaded: dict[int, Any] = {}  # by the pickled bytes' id
+        for data in held.values():
+            if id(data) not in loaded:
+                loaded[id(data)] = pickle.loads(data)
+        return {rank: loaded[id(data)] for rank, data in sorted(held.items())}
+
+    @property
+    def holds_all(self) -> bool:
+        """Whether :meth:`gather_up` leaves every rank's value on every rank (one node, or one
+        rank)."""
+        return not self.groups or self.top == self.node
 
     def broadcast(self, value: Any, *, timeout_s: float) -> Any:
         """Rank 0's ``value`` (picklable) on every rank; rank 0 leads every group it is in."""
@@ -145,10 +174,10 @@ class Control:
             if group.index == 0:
                 if group.ranks == self.node:  # this node's ranks: its own value alone
                     held = _kept(held, (rank,))
-                _broadcast(group, pickle.dumps(held), timeout_s)
+                broadcast(group, pickle.dumps(held), timeout_s)
                 held = _kept(held, range(rank, group.ranks[1]))  # the leaders below it
                 continue
-            received = pickle.loads(_broadcast(group, b"", timeout_s))
+            received = pickle.loads(broadcast(group, b"", timeout_s))
             if group.ranks == self.node:
                 return _value(received, group.ranks[0])
             following = group.ranks[group.index + 1 : group.index + 2]
@@ -161,7 +190,7 @@ class Control:
         ``payload`` where nothing is above it)."""
         for group in reversed(self.groups):
             if top or group.ranks != self.top:
-                payload = _broadcast(group, payload, timeout_s)
+                payload = broadcast(group, payload, timeout_s)
         return payload
 
 
@@ -252,105 +281,3 @@ def _listed(store: dist.Store, key: str) -> tuple[int, ...]:
     count = store.add(key, 0)
     values = store.multi_get([f"{key}/{i}" for i in range(1, count + 1)])
     return tuple(sorted(int(bytes(v)) for v in values))
-
-
-INLINE_BYTES = 4096 - 8
-"""Bytes of a payload that travel in the same message as its size: a report (a verdict, a
-bucket count) is one collective, not a size and then its bytes. Longer payloads send the
-rest in a second."""
-
-
-def _allgather(group: LocalGroup, payload: bytes, timeout_s: float) -> list[bytes]:
-    """Every rank of ``group``'s ``payload``, in its order: each one's size and its first
-    :data:`INLINE_BYTES`, then the rest if any is longer."""
-    import torch
-
-    heads = [torch.empty(8 + INLINE_BYTES, dtype=torch.uint8) for _ in group.ranks]
-    _wait(group, group.all_gather(heads, _head(payload), timeout_s=timeout_s), timeout_s)
-    sizes = [int(head[:8].view(torch.int64)) for head in heads]
-    longest = max(sizes)
-    if longest <= INLINE_BYTES:
-        return [
-            head[8 : 8 + size].numpy().tobytes() for head, size in zip(heads, sizes, strict=True)
-        ]
-    rests = [torch.empty(longest - INLINE_BYTES, dtype=torch.uint8) for _ in group.ranks]
-    mine = torch.zeros(longest - INLINE_BYTES, dtype=torch.uint8)
-    mine[: max(0, len(payload) - INLINE_BYTES)] = _bytes(payload[INLINE_BYTES:])
-    _wait(group, group.all_gather(rests, mine, timeout_s=timeout_s), timeout_s)
-    return [
-        head[8 : 8 + min(size, INLINE_BYTES)].numpy().tobytes()
-        + rest[: max(0, size - INLINE_BYTES)].numpy().tobytes()
-        for head, rest, size in zip(heads, rests, sizes, strict=True)
-    ]
-
-
-def _broadcast(group: LocalGroup, payload: bytes, timeout_s: float) -> bytes:
-    """``group``'s leader's ``payload`` (the others' is ignored): its size and first
-    :data:`INLINE_BYTES`, then the rest if it is longer."""
-    import torch
-
-    leader, leads = group.ranks[0], group.index == 0
-    head = _head(payload) if leads else torch.empty(8 + INLINE_BYTES, dtype=torch.uint8)
-    _wait(group, group.broadcast(head, leader, timeout_s=timeout_s), timeout_s)
-    if leads:
-        size = len(payload)
-    else:
-        size = int(head[:8].view(torch.int64))
-    if size > INLINE_BYTES:
-        rest = (
-            _bytes(payload[INLINE_BYTES:])
-            if leads
-            else torch.empty(size - INLINE_BYTES, dtype=torch.uint8)
-        )
-        _wait(group, group.broadcast(rest, leader, timeout_s=timeout_s), timeout_s)
-    if leads:
-        return payload
-    received = head[8 : 8 + min(size, INLINE_BYTES)].numpy().tobytes()
-    return received + (rest.numpy().tobytes() if size > INLINE_BYTES else b"")
-
-
-def _head(payload: bytes) -> torch.Tensor:
-    """``payload``'s size (8 bytes) and its first :data:`INLINE_BYTES` (zero-padded)."""
-    import torch
-
-    head = torch.zeros(8 + INLINE_BYTES, dtype=torch.uint8)
-    head[:8] = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
-    inline = payload[:INLINE_BYTES]
-    head[8 : 8 + len(inline)] = _bytes(inline)
-    return head
-
-
-def _bytes(payload: bytes) -> torch.Tensor:
-    import torch
-
-    return (
-        torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        if payload
-        else torch.empty(0, dtype=torch.uint8)
-    )
-
-
-def _wait(group: LocalGroup, work: Any, timeout_s: float) -> None:
-    """Wait for ``work`` on ``group``, at most ``timeout_s``.
-
-    :raises TimeoutError: when it did not complete in time, naming the group.
-    :raises ControlFailed: when it failed otherwise (a peer's connection closed: it died or
-        gave up), naming the group and gloo's error.
-    """
-    started = time.monotonic()
-    try:
-        work.wait(datetime.timedelta(seconds=timeout_s))
-    except Exception as e:
-        ranks, waited = _shown(group.ranks), time.monotonic() - started
-        if "timed out" in str(e).lower():
-            raise TimeoutError(
-                f"the control group of ranks {ranks} did not complete within {timeout_s:g} s: {e}"
-            ) from e
-        raise ControlFailed(
-            f"the control group of ranks {ranks} failed after {waited:.1f} s (a rank of it "
-            f"died or gave up): {e}"
-        ) from e
-
-
-def _shown(ranks: Sequence[int]) -> str:
-    return str(list(ranks)) if len(ranks) <= 8 else f"[{ranks[0]}, ..., {ranks[-1]}] ({len(ranks)})"

@@ -110,6 +110,18 @@ class LocalGroup:
         _bound(options, timeout_s)
         return self.process_group.allgather([parts], [tensor], options)
 
+    def gather(
+        self, parts: list[torch.Tensor], tensor: torch.Tensor, *, timeout_s: float
+    ) -> dist.Work:
+        """Every rank's ``tensor`` into ``parts`` (one per rank) on the group's first rank, its
+        ``parts`` empty elsewhere; within ``timeout_s``."""
+        from torch._C._distributed_c10d import GatherOptions
+
+        options = GatherOptions()
+        options.rootRank = 0
+        _bound(options, timeout_s)
+        return self.process_group.gather([parts] if parts else [], [tensor], options)
+
     def all_reduce(self, tensor: torch.Tensor) -> dist.Work:
         return self.process_group.allreduce([tensor])
 

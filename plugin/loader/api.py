@@ -2,16 +2,17 @@
 
 1. metadata: rank 0 reads ``config.json`` and the safetensors headers, broadcasts them;
 2. plan: every rank maps its parameters to HF tensors and checks shapes; the
-   demands are all-gathered and the reader plans the buckets; on several nodes each
-   node takes its view of them from the reader, down the control plane's tree
-   (:func:`~megastart.loader.planning.handed_out`);
+   demands go up the control plane's tree to rank 0, which sends every rank a
+   summary of them (:class:`~megastart.loader.planning.Summary`), and the reader
+   plans the buckets; on several nodes each node takes its view of them from the
+   reader, down the tree (:func:`~megastart.loader.planning.handed_out`);
 3. stream: each reader reads its group's buckets once; each crosses to every
    other node that needs it once, and every rank copies its shards out of the
    page cache (the reader's node) or its node's shared memory;
 4. verify: every element of every local parameter was written exactly once.
 
 Before any of them the ranks check in (a rank that never calls is named); they
-agree on their settings in the plan's gather (one collective less). A failure in
+agree on their settings in the plan's summary (one collective less). A failure in
 any phase, on any rank, is raised on every rank (``all_or_none``), within
 ``timeout_s`` and a fraction of a second:
 the failing rank announces it on the load's ``Board`` and every wait looks
@@ -33,10 +34,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from megastart.distributed import (
     PEER_GRACE_S,
     Board,
+    CollectiveError,
     OwnGroups,
     all_or_none,
     broadcast_or_raise,
-    check_agreed,
     discard_control,
     discarding_control,
     kept_control,
@@ -56,9 +57,11 @@ from megastart.loader.copier import Copier
 from megastart.loader.model import UnsupportedArchitecture, local_needs, mapping_table
 from megastart.loader.needs import left_to_host
 from megastart.loader.node import node_board
-from megastart.loader.plan import Plan, demands_once, distinct, packed
+from megastart.loader.plan import Plan, packed
 from megastart.loader.planning import (
     RankDemands,
+    Summary,
+    WorldDemands,
     announce,
     handed_out,
     known_table,
@@ -220,7 +223,7 @@ def _load(
 
     rank = dist.get_rank()
     control = kept_control(timeout_s=own.timeout_s)
-    # agreed with the demands' gather below: one collective less before any bulk transfer
+    # agreed in the demands' summary below: one collective less before any bulk transfer
     agreed = {f: v for f, v in dataclasses.asdict(settings).items() if f != "progress"}
     phase = partial(all_or_none, timeout_s=settings.timeout_s, control=control, board=board)
 
@@ -241,7 +244,16 @@ def _load(
         # never cast without the scales, whatever strict says
         raise quantisation.refusal(checkpoint)
 
-    with phase(f"{PLUGIN}: mapping this rank's parameters to the checkpoint") as planned:
+    world = WorldDemands(
+        meta,
+        table,
+        value_model=value_model,
+        fix="set the MEGASTART_RANK0_LOADER_* variables (or the megastart.rank0_loader config) "
+        "the same on every rank",
+    )
+    with phase(
+        f"{PLUGIN}: mapping this rank's parameters to the checkpoint", summarise=world.summarise
+    ) as planned:
         try:
             params, tensors, shard, needs = local_needs(
                 chunks, meta, table, value_model=value_model, bridge=bridge
@@ -255,19 +267,15 @@ def _load(
             planned.share(
                 RankDemands(node_key(), demands, device.type, left, pagecache.supported(), agreed)
             )
-    by_rank: list[RankDemands] = planned.shared
-    check_agreed(
-        PLUGIN,
-        [r.settings for r in by_rank],
-        fix="set the MEGASTART_RANK0_LOADER_* variables (or the megastart.rank0_loader config) "
-        "the same on every rank",
-    )
-    untranslatable = sorted({r.untranslatable for r in by_rank} - {""})
-    if untranslatable:
-        raise Untranslatable(untranslatable[0])
+    summary: Summary = planned.summary
+    held: dict[int, RankDemands] = planned.held  # its node's (every rank's on rank 0)
+    if summary.disagreement is not None:
+        raise CollectiveError(summary.disagreement)
+    if summary.untranslatable:
+        raise Untranslatable(summary.untranslatable)
     if table is None:  # the bridge decided: what it leaves unread is only named, not refused
         table = known_table(meta)
-    nodes = [r.node for r in by_rank]
+    nodes = list(summary.nodes)
     groups = reader_groups(settings.reader, nodes)
     group = next(g for g in groups if rank in g)
     striped = settings.reader in ("striped", "auto") and len(set(nodes)) > 1
@@ -275,37 +283,33 @@ def _load(
     # a group of several nodes: its reader plans, and each node takes its buckets from it
     handed = len(group_nodes.members) > 1
 
-    left_by_all = tuple(sorted({name for r in by_rank for name in r.left_to_host}))
+    left_by_all = summary.left_to_host
     known = table
 
     def plan_here() -> tuple[Plan, tuple[int, ...], int, str]:
         """This rank's plan, its group's reader ranks, the checkpoint tensors some rank takes,
         and the transport's backend: planned here, or, in a group of several nodes, by its
         reader alone and handed down to each node."""
-        backend = transport_backend(settings.transport, {r.device for r in by_rank})
+        backend = transport_backend(settings.transport, set(summary.devices))
         buckets = None
-        demanded = 0
         if not handed or rank == group[0]:
-            demands = demands_once([r.demands for r in by_rank], meta)
             buckets = plan_buckets(
-                demands,
+                world.of(group, held),
                 meta,
-                known,
                 settings,
                 groups,
                 group,
                 nodes,
+                unused=summary.unused,
                 striped=striped,
                 checkpoint=checkpoint,
                 strict=settings.strict and bridge is None,
-                value_model=value_model,
             )
-            demanded = len({name for d in distinct(demands) for names, _ in d for name in names})
         if handed:
             plan, outline = handed_out(
-                buckets, demanded, group, group_nodes, control, timeout_s=own.timeout_s
+                buckets, group, group_nodes, control, timeout_s=own.timeout_s
             )
-            readers, demanded = outline.reader_ranks, outline.tensors
+            readers = outline.reader_ranks
         else:
             assert buckets is not None
             plan, readers = buckets.plan, buckets.readers
@@ -313,7 +317,7 @@ def _load(
             announce(
                 buckets, left_by_all, checkpoint, known, striped=striped, value_model=value_model
             )
-        return plan, readers, demanded, backend
+        return plan, readers, summary.tensors, backend
 
     cached = settings.reader_node == "page_cache" and meta.format == "safetensors"
     # One node taking its slices out of the page cache makes no process group (where a rank
@@ -321,7 +325,7 @@ def _load(
     # stream's phase, a failure stops the others at the board, and the planning phase's
     # verdict (a collective) goes.
     ahead = None
-    if not (len(set(nodes)) == 1 and cached and all(r.page_cache for r in by_rank)):
+    if not (len(set(nodes)) == 1 and cached and all(summary.page_cache)):
         with phase(f"{PLUGIN}: planning the buckets"):
             ahead = plan_here()
     coverage = Coverage()
@@ -337,7 +341,7 @@ def _load(
             [nodes[r] for r in group],
             plan.receiver_sets,
             own,
-            page_cache=[cached and by_rank[r].page_cache for r in group],
+            page_cache=[cached and summary.page_cache[r] for r in group],
             backend=backend,
             device=device,
             board=board,

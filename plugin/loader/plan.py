@@ -14,6 +14,7 @@ import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 from megastart.loader.checkpoint import ITEMSIZE, CheckpointMeta, TensorEntry
 from megastart.loader.mappings import MappingTable
@@ -37,6 +38,11 @@ class Slot:
     rows: Rows
     """Which rows of the tensor (dim 0) the slot holds."""
 
+    def __reduce__(self) -> tuple[type[Slot], tuple[Any, ...]]:
+        # by its fields: a reader pickles every slot for the nodes' views (90,000 of
+        # DeepSeek-V3's), and dataclasses' own state looks up the fields per object (3x slower)
+        return Slot, (self.name, self.offset, self.shape, self.dtype, self.nbytes, self.rows)
+
 
 @dataclass(frozen=True, slots=True)
 class Bucket:
@@ -49,6 +55,9 @@ class Bucket:
     and every rank that needs one of its slots (with striped readers, those alone)."""
     reader: int = 0
     """The position in the reader group of the rank that reads it (:mod:`.stripes`)."""
+
+    def __reduce__(self) -> tuple[type[Bucket], tuple[Any, ...]]:
+        return Bucket, (self.slots, self.nbytes, self.positions, self.reader)  # as Slot's
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,18 +128,31 @@ def build_plan(
     # ranks are not hashed per tensor)
     open_buckets: dict[int, tuple[tuple[int, ...], list[Slot], int]] = {}
     travelling: dict[tuple[frozenset[str], str], str] = {}
+    whole: dict[int, Rows] = {}  # by row count: one object for the tensors that travel whole
     order = partial(_stream_order, meta)
     for entry in sorted((meta.tensors[name] for name in dtypes), key=order):
         key = (dtypes[entry.name], entry.dtype)
         dtype = travelling.get(key) or travelling.setdefault(key, _travels_as(*key))
         ranks = members[entry.name]
-        for rows in _row_blocks(entry, ITEMSIZE[dtype], bucket_bytes):
-            nbytes = entry.numel // max(rows.total, 1) * (rows.stop - rows.start) * ITEMSIZE[dtype]
+        itemsize, numel = ITEMSIZE[dtype], entry.numel
+        if numel * itemsize <= bucket_bytes:  # most tensors: one block, the tensor's shape
+            total = entry.shape[0] if entry.shape else 1
+            rows = whole.get(total) or whole.setdefault(total, Rows(0, total, total))
+            blocks = [(rows, numel * itemsize, entry.shape)]
+        else:
+            blocks = [
+                (
+                    rows,
+                    numel // max(rows.total, 1) * (rows.stop - rows.start) * itemsize,
+                    (rows.stop - rows.start, *entry.shape[1:]),
+                )
+                for rows in _row_blocks(entry, itemsize, bucket_bytes)
+            ]
+        for rows, nbytes, shape in blocks:
             _, slots, offset = open_buckets.pop(id(ranks), (ranks, [], 0))
             if slots and offset + nbytes > bucket_bytes:
                 buckets.append(Bucket(tuple(slots), offset, ranks))
                 slots, offset = [], 0
-            shape = (rows.stop - rows.start, *entry.shape[1:]) if entry.shape else ()
             slots.append(Slot(entry.name, offset, shape, dtype, nbytes, rows))
             open_buckets[id(ranks)] = ranks, slots, offset + _aligned(nbytes)
     buckets.extend(
@@ -163,14 +185,19 @@ def _consumers(
     users: dict[str, list[int]] = {}  # indices into held
     dtypes: dict[str, frozenset[str]] = {}
     unions: dict[tuple[frozenset[str], str], frozenset[str]] = {}
+    none: frozenset[str] = frozenset()
     for index, (demands, _) in enumerate(held):
         for names, dtype in demands:
-            for name in names:
-                its = users.setdefault(name, [])
-                if not its or its[-1] != index:
+            for name in names:  # run once per name and distinct object: allocate nothing here
+                its = users.get(name)
+                if its is None:
+                    users[name] = [index]
+                elif its[-1] != index:
                     its.append(index)
-                key = (dtypes.get(name, frozenset()), dtype)
-                dtypes[name] = unions.get(key) or unions.setdefault(key, key[0] | {dtype})
+                wanted = dtypes.get(name, none)
+                if dtype not in wanted:
+                    key = (wanted, dtype)
+                    dtypes[name] = unions.get(key) or unions.setdefault(key, wanted | {dtype})
     first = (0,) if to_reader else ()
     ranks_of: dict[tuple[int, ...], tuple[int, ...]] = {}
     ranks: dict[str, tuple[int, ...]] = {}

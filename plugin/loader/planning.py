@@ -1,6 +1,6 @@
-"""The load's planning phase across ranks: what each rank shares, the buckets the reader
-computes from it, each node's view of them handed down from the reader, and what rank 0
-says about them.
+"""The load's planning phase across ranks: what each rank shares, what rank 0 tells every
+rank of it (:class:`Summary`), the buckets the reader computes from it, each node's view of
+them handed down from the reader, and what rank 0 says about them.
 
 :mod:`megastart.loader.plan` is the plain-data core (demands in, buckets out); this module
 puts it to a load's ranks, reader groups and settings, so that
@@ -15,13 +15,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from megastart.distributed import CollectiveError, Control
+from megastart.distributed import CollectiveError, Control, disagreement
 from megastart.errors import PlanError, SettingsError
 from megastart.loader.checkpoint import CheckpointMeta
 from megastart.loader.mappings import VALUE_HEAD, MappingTable
 from megastart.loader.model import UnsupportedArchitecture, mapping_table
 from megastart.loader.needs import Demand
-from megastart.loader.plan import Bucket, Plan, build_plan, unused_tensors
+from megastart.loader.plan import (
+    Bucket,
+    Plan,
+    build_plan,
+    demands_once,
+    distinct,
+    unused_tensors,
+)
 from megastart.loader.route import Nodes
 from megastart.loader.settings import PLUGIN, Rank0LoaderSettings
 from megastart.loader.stripes import stripe
@@ -49,6 +56,68 @@ class RankDemands(NamedTuple):
     """Why the host's bridge's mapping cannot be reproduced here (``""``: it can)."""
 
 
+class Summary(NamedTuple):
+    """What every rank needs of the ranks' :class:`RankDemands`, from rank 0 (which alone
+    receives them all, :class:`WorldDemands`): not the world's demands (9-11 MB at 8,192
+    ranks), which only the reader plans with."""
+
+    nodes: tuple[tuple[str, int], ...]
+    """Every rank's node, one object per node (pickled once each)."""
+    devices: frozenset[str]
+    """The device types of every rank's parameters."""
+    page_cache: tuple[bool, ...]
+    """Per rank, :attr:`RankDemands.page_cache`."""
+    left_to_host: tuple[str, ...]
+    """Every rank's :attr:`RankDemands.left_to_host`, sorted, once each."""
+    disagreement: str | None
+    """Why the ranks' settings differ (``None``: they agree)."""
+    untranslatable: str
+    """The first rank's :attr:`RankDemands.untranslatable` that is not ``""``."""
+    unused: tuple[str, ...]
+    """Checkpoint tensors no rank uses (not read)."""
+    tensors: int
+    """The checkpoint tensors some rank demands (for the report)."""
+
+
+class WorldDemands:
+    """Every rank's demands on rank 0: summarised for the others (:meth:`summarise`, the
+    planning phase's ``summarise``) and kept, unpacked once, for its own planning."""
+
+    def __init__(
+        self, meta: CheckpointMeta, table: MappingTable | None, *, value_model: bool, fix: str
+    ) -> None:
+        self.meta = meta
+        self.table = table
+        self.value_model = value_model
+        self.fix = fix
+        self.demands: list[list[Demand]] = []
+        """Every rank's, once summarised here (on rank 0; on one node, every rank)."""
+
+    def summarise(self, reports: list[RankDemands]) -> Summary:
+        self.demands = demands_once([r.demands for r in reports], self.meta)
+        table = self.table if self.table is not None else known_table(self.meta)
+        unused = unused_tensors(self.demands, self.meta, table, value_model=self.value_model)
+        distinct_names = {n for d in distinct(self.demands) for names, _ in d for n in names}
+        one_each: dict[tuple[str, int], tuple[str, int]] = {}
+        return Summary(
+            nodes=tuple(one_each.setdefault(r.node, r.node) for r in reports),
+            devices=frozenset(r.device for r in reports),
+            page_cache=tuple(r.page_cache for r in reports),
+            left_to_host=tuple(sorted({name for r in reports for name in r.left_to_host})),
+            disagreement=disagreement(PLUGIN, [r.settings for r in reports], fix=self.fix),
+            untranslatable=min({r.untranslatable for r in reports} - {""}, default=""),
+            unused=tuple(unused),
+            tensors=len(distinct_names),
+        )
+
+    def of(self, group: Sequence[int], held: dict[int, RankDemands]) -> list[list[Demand]]:
+        """The demands of ``group``'s ranks: from every rank's where summarised here, else from
+        those held (a group of this rank's node)."""
+        if self.demands:
+            return [self.demands[r] for r in group]
+        return demands_once([held[r].demands for r in group], self.meta)
+
+
 @dataclass(frozen=True, slots=True)
 class Buckets:
     """This rank's view of the planned load."""
@@ -57,31 +126,30 @@ class Buckets:
     """Its reader group's buckets."""
     readers: tuple[int, ...]
     """The global ranks that read."""
-    unused: list[str]
+    unused: tuple[str, ...]
     """Checkpoint tensors no rank uses (not read)."""
 
 
 def plan_buckets(
     demands: Sequence[Sequence[Demand]],
     meta: CheckpointMeta,
-    table: MappingTable,
     settings: Rank0LoaderSettings,
     groups: Sequence[list[int]],
     group: list[int],
     nodes: Sequence[tuple[str, int]],
     *,
+    unused: tuple[str, ...],
     striped: bool,
     checkpoint: str,
     strict: bool,
-    value_model: bool,
 ) -> Buckets:
-    """The buckets of this rank's reader group; raises :class:`PlanError` for tensors no rank
-    uses when ``strict``."""
-    unused = unused_tensors(demands, meta, table, value_model=value_model)
+    """The buckets of this rank's reader group (``demands``: its ranks', in its order); raises
+    :class:`PlanError` for tensors no rank uses (``unused``, :attr:`Summary.unused`) when
+    ``strict``."""
     if unused and strict:
-        raise PlanError(_unused_message(unused, checkpoint, strict=True))
+        raise PlanError(_unused_message(list(unused), checkpoint, strict=True))
     plan = build_plan(
-        [demands[r] for r in group],
+        demands,
         meta,
         bucket_bytes=int(settings.bucket_mb * 2**20),
         to_reader=not striped,
@@ -106,8 +174,6 @@ class Outline(NamedTuple):
     """Every bucket's reader, its position in the group."""
     reader_ranks: tuple[int, ...]
     """:attr:`Buckets.readers`."""
-    tensors: int
-    """The checkpoint tensors some rank demands (for the report)."""
 
 
 def node_views(plan: Plan, nodes: Nodes) -> dict[int, dict[int, bytes]]:
@@ -149,7 +215,6 @@ def node_plan(outline: Outline, view: dict[int, bytes]) -> Plan:
 
 def handed_out(
     buckets: Buckets | None,
-    tensors: int,
     group: Sequence[int],
     nodes: Nodes,
     control: Control,
@@ -171,7 +236,7 @@ def handed_out(
         plan = buckets.plan
         values = {group[p]: view for p, view in node_views(plan, nodes).items()}
         sizes = tuple(b.nbytes for b in plan.buckets)
-        outline = Outline(sizes, tuple(b.reader for b in plan.buckets), buckets.readers, tensors)
+        outline = Outline(sizes, tuple(b.reader for b in plan.buckets), buckets.readers)
     try:  # the buckets are the parts: one a stage's nodes all need crosses each group once
         view = control.scatter(values, timeout_s=timeout_s)
         outline = control.broadcast(outline, timeout_s=timeout_s)
@@ -194,7 +259,9 @@ def announce(
 ) -> None:
     """Rank 0's lines about the plan: tensors not read, parameters left to the host, readers."""
     if buckets.unused:
-        log.warning("megastart: %s", _unused_message(buckets.unused, checkpoint, strict=False))
+        log.warning(
+            "megastart: %s", _unused_message(list(buckets.unused), checkpoint, strict=False)
+        )
     heads = [n for n in left_by_all if value_model and n.startswith(VALUE_HEAD)]
     if heads:
         log.info(

@@ -42,6 +42,9 @@ class Rows:
     stop: int
     total: int
 
+    def __reduce__(self) -> tuple[type[Rows], tuple[int, int, int]]:
+        return Rows, (self.start, self.stop, self.total)  # as a plan's slots (plan.Slot)
+
 
 class Transform(Protocol):
     def check(self, hf: Sequence[Named], local: Shape, shard: Shard) -> list[str]: ...

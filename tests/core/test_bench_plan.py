@@ -64,6 +64,7 @@ def test_bench_plan_world_reports_each_role(tmp_path: Path) -> None:
     assert [r["rank"] for r in results["roles"].values()] == [0, 8, 9]
     for figures in results["roles"].values():
         assert figures["plan_s"] > 0 and figures["plan_mb"] > 0
+        assert 0 < figures["received_mb"] < results["demands_mb"]  # never the world's reports
     # per load, made by the leaders alone: the group of the 8 leaders and the sets of leaders
     # the buckets reach that hold it (the reader is in every one); a member is in none
     between = [r["between_leaders"] for r in results["roles"].values()]

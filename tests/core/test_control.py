@@ -1,6 +1,7 @@
-"""The control plane's tree of small gloo groups: every rank's report reaches every rank and
-rank 0's value every rank through groups of a node or of a few node leaders, never a group
-over the whole world (real ranks over gloo; and the tree of an 8,192-rank job, computed)."""
+"""The control plane's tree of small gloo groups: every rank's report reaches every rank (or
+rank 0 alone, each rank keeping its node's) and rank 0's value every rank through groups of
+a node or of a few node leaders, never a group over the whole world (real ranks over gloo;
+and the tree of an 8,192-rank job, computed)."""
 
 from __future__ import annotations
 
@@ -64,6 +65,10 @@ def exchange(ranks_per_node: int, fanout: int) -> dict[str, Any]:
         "scattered": control.scatter(values if rank == 0 else None, timeout_s=30.0),
         "groups": control.group_ranks,
         "gathered": control.gather({"rank": rank, "text": "x" * rank * 2000}, timeout_s=30.0),
+        "up": control.gather_up(
+            up_values(len(leaders) * ranks_per_node, leaders[-1])[rank], timeout_s=30.0
+        ),
+        "holds_all": control.holds_all,
         "broadcast": control.broadcast(f"from rank {rank}" + "y" * 5000, timeout_s=30.0),
         "registered": _world.group_count - registered,
     }
@@ -95,6 +100,36 @@ def test_every_rank_hears_every_report_through_a_tree_of_nodes_and_leaders(six: 
     assert [r["scattered"] for r in results] == [{0: b"node 0"}] * 2 + [shared] * 4
 
 
+def up_values(world: int, last_node: int) -> dict[int, dict[str, Any]]:
+    """What :func:`exchange` sends up, by rank: some longer than a collective's inline bytes;
+    the last node's ranks the same value (it crosses each group once)."""
+    return {
+        r: {"rank": r, "text": "z" * r * 1500}
+        if r < last_node
+        else {"rank": last_node, "text": "last node"}
+        for r in range(world)
+    }
+
+
+def test_reports_go_up_to_rank_0_and_a_rank_keeps_only_its_nodes(six: RankPool) -> None:
+    """Rank 0 gets every rank's value; any other rank only what passed through it: its node's,
+    and on a leader the nodes below it, never the world's (reader-only planning's gather)."""
+    results = six.run(exchange, 2, 2)  # nodes (0, 1) (2, 3) (4, 5); leaders 0 2 4, two a group
+    values = up_values(6, 4)
+    assert results[0]["up"] == values
+    for rank in range(1, 6):
+        node = range(rank - rank % 2, rank - rank % 2 + 2)
+        assert results[rank]["up"] == {r: values[r] for r in node}, rank
+    assert not any(r["holds_all"] for r in results)
+    # three levels: nodes of one rank, two leaders a group: (0, 1) (2, 3) (4, 5), (0, 2), (0, 4)
+    results = six.run(exchange, 1, 2)
+    values = up_values(6, 5)
+    assert results[0]["up"] == values
+    for leader in (2, 4):  # a leader: its group's below
+        assert results[leader]["up"] == {leader: values[leader], leader + 1: values[leader + 1]}
+    assert [results[r]["up"] for r in (1, 3, 5)] == [{r: values[r]} for r in (1, 3, 5)]
+
+
 def test_a_scatter_down_three_levels_gives_each_node_its_own_value(six: RankPool) -> None:
     """Nodes of one rank, two leaders a group: (0, 1) (2, 3) (4, 5), then (0, 2), then (0, 4);
     each leader keeps the part of the leaders below it."""
@@ -105,11 +140,62 @@ def test_a_scatter_down_three_levels_gives_each_node_its_own_value(six: RankPool
     assert [r["scattered"] for r in results] == [*own, shared, shared]
 
 
+def summarised_phase(ranks_per_node: int, failing: int | None, summary_fails: bool) -> Any:
+    """A phase (:func:`~megastart.distributed.all_or_none`) whose values go up to rank 0 alone
+    and come back as its summary, on simulated nodes of ``ranks_per_node``; ``failing``'s
+    block raises, or rank 0's ``summarise`` does: what each rank got, or its error."""
+    import os
+
+    import torch.distributed as dist
+
+    from megastart.distributed import all_or_none, make_control
+
+    rank = dist.get_rank()
+    os.environ["LOCAL_RANK"] = str(rank % ranks_per_node)
+    control = make_control(30.0, fanout=2)
+
+    def summarise(values: list[Any]) -> Any:
+        if summary_fails:
+            raise ValueError("no summary of these")
+        return {"ranks": len(values), "total": sum(v["n"] for v in values)}
+
+    try:
+        with all_or_none("a phase", timeout_s=10.0, control=control, summarise=summarise) as out:
+            if rank == failing:
+                raise RuntimeError(f"rank {rank} could not map its parameters")
+            out.share({"n": rank, "text": "w" * 5000})
+    except CollectiveError as e:
+        return str(e)
+    return {"summary": out.summary, "held": sorted(out.held), "shared": out.shared}
+
+
+@pytest.mark.parametrize("ranks_per_node", [2, 6])
+def test_a_phase_summarised_on_rank_0_gives_every_rank_its_summary_or_the_same_error(
+    six: RankPool, ranks_per_node: int
+) -> None:
+    """Nodes of 2 (the reports go up three levels, the summary comes down) and one node of 6
+    (every rank holds every report, and summarises them itself)."""
+    results = six.run(summarised_phase, ranks_per_node, None, False)
+    for rank, result in enumerate(results):
+        assert result["summary"] == {"ranks": 6, "total": 15}
+        first = rank - rank % ranks_per_node
+        held = list(range(6)) if rank == 0 else list(range(first, first + ranks_per_node))
+        assert result["held"] == held and result["shared"] == []
+    # the same error on every rank: the failing rank's own, or rank 0's summary's
+    for failing, summary_fails, error in (
+        (3, False, "a phase failed on rank 3: RuntimeError: rank 3 could not map its parameters"),
+        (None, True, "a phase failed on rank 0: ValueError: no summary of these"),
+    ):
+        results = six.run(summarised_phase, ranks_per_node, failing, summary_fails)
+        assert len(set(results)) == 1 and results[0].startswith(error), results
+
+
 def test_on_one_node_the_tree_is_the_nodes_group(six: RankPool) -> None:
     results = six.run(exchange, 6, 32)
     assert [r["groups"] for r in results] == [[tuple(range(6))]] * 6
     assert all(r["gathered"][5] == {"rank": 5, "text": "x" * 10000} for r in results)
     assert all(r["scattered"] == {-1: b"the last nodes' value", 0: b"node 0"} for r in results)
+    assert all(r["up"] == up_values(6, 0) and r["holds_all"] for r in results)  # one node: all
 
 
 def test_a_world_of_one_gathers_and_broadcasts_its_own_value() -> None:
@@ -117,6 +203,7 @@ def test_a_world_of_one_gathers_and_broadcasts_its_own_value() -> None:
         (result,) = pool.run(exchange, 1, 32)
     assert result["groups"] == []
     assert result["gathered"] == [{"rank": 0, "text": ""}]
+    assert result["up"] == up_values(1, 0) and result["holds_all"]
     assert result["broadcast"] == "from rank 0" + "y" * 5000
 
 
@@ -141,15 +228,16 @@ def test_a_rank_that_never_comes_is_named_on_every_other_rank(six: RankPool) -> 
             assert "rank(s) [4] did not start it within timeout_s=2 s" in result, result
 
 
-def miss_a_gather(missing: int) -> dict[str, Any]:
-    """Every rank but ``missing`` gathers over a tree of nodes of 2 (fanout 2): what each saw,
-    and how long it waited."""
+def miss_a_gather(missing: int, up: bool = False) -> dict[str, Any]:
+    """Every rank but ``missing`` gathers over a tree of nodes of 2 (fanout 2), to every rank
+    or, ``up``, to rank 0 in a phase whose summary comes back down: what each saw, and how
+    long it waited."""
     import os
     import time
 
     import torch.distributed as dist
 
-    from megastart.distributed import make_control
+    from megastart.distributed import PEER_GRACE_S, all_or_none, make_control
 
     os.environ["LOCAL_RANK"] = str(dist.get_rank() % 2)
     control = make_control(30.0, fanout=2)
@@ -158,15 +246,21 @@ def miss_a_gather(missing: int) -> dict[str, Any]:
         time.sleep(12.0)  # hung: it never reports
         return {"outcome": "stayed away", "waited_s": 0.0}
     try:
-        control.gather("report", timeout_s=3.0)
-    except TimeoutError as e:
+        if up:  # a phase waits for its peers twice PEER_GRACE_S longer than its timeout_s
+            waited = 3.0 - 2 * PEER_GRACE_S
+            with all_or_none("a phase", timeout_s=waited, control=control, summarise=len):
+                pass
+        else:
+            control.gather("report", timeout_s=3.0)
+    except (TimeoutError, CollectiveError) as e:
         return {"outcome": str(e), "waited_s": time.monotonic() - started}
     return {"outcome": "gathered", "waited_s": time.monotonic() - started}
 
 
-def test_a_rank_missing_a_gather_makes_every_other_rank_fail_within_the_bound() -> None:
+@pytest.mark.parametrize("up", [False, True])
+def test_a_rank_missing_a_gather_makes_every_other_rank_fail_within_the_bound(up: bool) -> None:
     with RankPool(4, timeout_s=60) as pool:
-        results = pool.run(miss_a_gather, 3)
+        results = pool.run(miss_a_gather, 3, up)
     assert "the control group of ranks [2, 3] did not complete within 3 s" in results[2]["outcome"]
     for rank in (0, 1):  # rank 2 never carries its node's reports up, nor passes them down
         assert "did not complete within 3 s" in results[rank]["outcome"], results[rank]
