@@ -17,7 +17,7 @@ of them. Each rank maps each file once for the whole load (:class:`FileMappings`
 a mapping holds no file descriptor, so ``ulimit -n`` bounds nothing here) and
 copies what is resident at once; only the ranges not resident wait for the reader.
 
-How far the reader has read is a word of node-shared memory
+How far the reader has read is a word of the node's page
 (:class:`Frontier`), which the node's ranks poll: a gloo header per bucket
 took milliseconds each on a busy node (every rank and the reader wait for each
 other's threads), a fifth of a warm load's time.
@@ -45,7 +45,6 @@ from megastart.loader.checkpoint import (
     open_shard,
 )
 from megastart.loader.plan import Plan, Slot
-from megastart.loader.shm import Segment
 from megastart.loader.transport import ReaderError
 
 if TYPE_CHECKING:
@@ -286,7 +285,8 @@ def residency(data: torch.Tensor, offset: int, length: int) -> bytes:
 
 class Frontier:
     """How many of the plan's buckets the reader has read into the page cache, or its error,
-    in a segment of node-shared memory (:data:`NBYTES`) that the node's ranks poll.
+    in :data:`NBYTES` of the node's page (:attr:`~megastart.loader.node.NodeBoard.spare`) that
+    the node's ranks poll.
 
     Only the reader writes it, only after the bucket's pages are resident; what the
     ranks then read is the files', never bytes the reader wrote, so no memory order
@@ -294,27 +294,35 @@ class Frontier:
     """
 
     NBYTES = 4096
-    """``[read, failed, buckets, bytes]`` (four int64: the last two the reader's plan), then
-    the error message (UTF-8, cut to fit)."""
+    """``[read, failed, buckets, bytes, plan]`` (five int64: the reader's plan's buckets and
+    bytes, and a word of both that says they are there), then the error message (UTF-8, cut
+    to fit)."""
 
-    def __init__(self, segment: Segment, sender: str) -> None:
+    _TEXT = 40
+
+    def __init__(self, data: torch.Tensor, sender: str) -> None:
         import torch
 
-        assert segment.tensor is not None
-        self._bytes = segment.tensor[: self.NBYTES]
-        self._words = self._bytes[:32].view(torch.int64)
+        self._bytes = data[: self.NBYTES]
+        self._words = self._bytes[: self._TEXT].view(torch.int64)
         self._sender = sender
 
     def plan(self, plan: Plan) -> None:
-        """The reader's plan, which the ranks :meth:`check` against theirs (before they map it)."""
+        """The reader's plan, which the ranks :meth:`check` against theirs."""
         self._words[2], self._words[3] = len(plan.buckets), plan.nbytes
+        self._words[4] = _fingerprint(plan)  # one word: read alone, it says it all
 
-    def check(self, plan: Plan) -> None:
-        """Raise a :class:`~megastart.distributed.CollectiveError` if ``plan`` is not the
-        reader's: each rank takes its slices by its own plan, and would wait for buckets
-        that never come."""
-        theirs = int(self._words[2]), int(self._words[3])
-        if theirs != (len(plan.buckets), plan.nbytes):
+    def check(self, plan: Plan, board: Board) -> None:
+        """Once the reader has said its plan (watching the board), raise a
+        :class:`~megastart.distributed.CollectiveError` if ``plan`` is not the reader's: each
+        rank takes its slices by its own plan, and would wait for buckets that never come."""
+        board.wait(
+            polled_locally(lambda: bool(int(self._words[4]))),
+            f"{self._sender} to say its plan",
+            peer=True,
+        )
+        if int(self._words[4]) != _fingerprint(plan):
+            theirs = int(self._words[2]), int(self._words[3])
             raise CollectiveError(
                 f"{self._sender} planned {theirs[0]} buckets of {theirs[1]} bytes where this rank "
                 f"planned {len(plan.buckets)} of {plan.nbytes}: the ranks' plans differ; nothing "
@@ -329,8 +337,11 @@ class Frontier:
         """The reader failed: every rank waiting raises ``message`` as a :class:`ReaderError`."""
         import torch
 
-        data = message.encode()[: self.NBYTES - 32]
-        self._bytes[32 : 32 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        data = message.encode()[: self.NBYTES - self._TEXT]
+        start = self._TEXT
+        self._bytes[start : start + len(data)] = torch.frombuffer(
+            bytearray(data), dtype=torch.uint8
+        )
         self._words[1] = len(data)
 
     def wait(self, read: int, board: Board) -> None:
@@ -346,7 +357,8 @@ class Frontier:
                 return True
             failed = int(self._words[1])
             if failed:
-                text = bytes(self._bytes[32 : 32 + failed].numpy()).decode(errors="replace")
+                start = self._TEXT
+                text = bytes(self._bytes[start : start + failed].numpy()).decode(errors="replace")
                 raise ReaderError(text)
             return False
 
@@ -355,3 +367,8 @@ class Frontier:
             f"{self._sender} to read bucket {read} of the plan",
             peer=True,
         )
+
+
+def _fingerprint(plan: Plan) -> int:
+    """A plan's buckets and bytes in one non-zero word (ints hash alike in every process)."""
+    return (hash((len(plan.buckets), plan.nbytes)) & (2**62 - 1)) | 2**62
