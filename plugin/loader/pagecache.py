@@ -143,11 +143,7 @@ class Window:
         pages around it too (the other ranks' tensors between and beside this rank's). Best
         effort: a range the kernel will not drop (a locked one) stays mapped, which costs
         memory accounting only."""
-        spans: dict[str, tuple[torch.Tensor, int, int]] = {}
-        for entry, data, first, end in self._pages():
-            _, low, high = spans.get(entry.file, (data, first, end))
-            spans[entry.file] = data, min(low, first), max(high, end)
-        for data, low, high in spans.values():
+        for data, low, high in self._spans():
             low = max(0, low - low % FAULT_AROUND - FAULT_AROUND)
             high = min(-(-high // FAULT_AROUND) * FAULT_AROUND + FAULT_AROUND, data.numel())
             drop_pages(data, low, high - low)
@@ -176,7 +172,13 @@ class Window:
     def populate(self, reader: TensorReader, pool: Executor, part_bytes: int) -> None:
         """Make every slot's pages resident, parts of ``part_bytes`` on ``pool``'s threads at once,
         counted as ``reader``'s reads. A read error (an I/O error, a file truncated under the
-        load) raises, naming the tensor."""
+        load) raises, naming the tensor. A bucket resident already (a warm load) costs one
+        ``mincore`` per file and no thread: asked per part, a warm 1 GB load handed 316
+        parts to the threads, 6 ms of the reader's CPU on 2 cores."""
+        nbytes = sum(entry.end - entry.start for entry in self.entries.values())
+        if all(resident(data, low, high - low) for data, low, high in self._spans()):
+            reader.count(nbytes)
+            return
         reads = [
             pool.submit(_read_part, reader, entry, data, offset, min(part_bytes, end - offset))
             for entry, data, first, end in self._pages()
@@ -184,7 +186,15 @@ class Window:
         ]
         for read in reads:
             read.result()
-        reader.count(sum(entry.end - entry.start for entry in self.entries.values()))
+        reader.count(nbytes)
+
+    def _spans(self) -> Iterable[tuple[torch.Tensor, int, int]]:
+        """Per file: its mapping, and the range of it from the slots' first page to their end."""
+        spans: dict[str, tuple[torch.Tensor, int, int]] = {}
+        for entry, data, first, end in self._pages():
+            _, low, high = spans.get(entry.file, (data, first, end))
+            spans[entry.file] = data, min(low, first), max(high, end)
+        return spans.values()
 
     def _pages(self) -> Iterator[tuple[TensorEntry, torch.Tensor, int, int]]:
         """Each slot that holds bytes, its file's mapping, and the range of the mapping that
