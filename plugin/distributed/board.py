@@ -313,8 +313,9 @@ class Board:
         With a :class:`Node` attached, a node's ranks arrive on its page and its
         leader arrives for them all: one ``add`` per node, and one blocking
         ``wait`` per leader on a key the last arriver sets (or a failure,
-        :meth:`announce`); the other ranks look at their page. Without one, each
-        rank does that itself.
+        :meth:`announce`); the other ranks look at their page. A node that holds
+        every rank of the call asks the store nothing. Without a node, each rank
+        does that itself.
 
         :raises PeerFailed: at once, when any rank announces a failure.
         :raises Stalled: as :meth:`wait` on a peer does.
@@ -330,6 +331,10 @@ class Board:
         if node is not None:
             ranks = f"this node's {node.size} ranks to arrive ({what})"
             self.wait(polled_locally(lambda: node.arrived(passed)), ranks, peer=True)
+            if node.size == self.world:  # the node is the whole call: no other leader to meet
+                self._barriers = passed
+                node.open(passed)
+                return
         if self._store.add(f"arrived/{gate}", node.size if node else 1) == self.world:
             self._store.compare_set(gate, "", _GO)
         self._blocking(gate, what)

@@ -75,25 +75,6 @@ def test_a_checkpoint_partly_in_the_page_cache_loads_bit_exact(
             assert torch.equal(value, loaded[name]), name
 
 
-def dropped_as_the_reader_starts(checkpoint: str, route: str) -> str:
-    """A load whose reader fails its third read of the storage; the files are dropped from the
-    page cache again as the reader starts (the read-ahead of the metadata's reads brings these
-    small files back, and the reader does not read what is resident)."""
-    from megastart.loader import roles
-
-    original = roles.read
-
-    def read(*args: object) -> object:
-        drop(sorted(Path(checkpoint).glob("*.safetensors")))
-        return original(*args)  # type: ignore[arg-type]
-
-    roles.read = read  # type: ignore[assignment]
-    try:
-        return load_with_failing_reads(checkpoint, {"tp": 2}, 2, None, {"reader_node": route})
-    finally:
-        roles.read = original
-
-
 @pytest.mark.parametrize("route", ROUTES)
 def test_a_read_error_on_a_range_not_in_the_page_cache_reaches_every_rank(
     rank_pools: dict[int, RankPool], checkpoints: dict[str, Path], route: str
@@ -103,7 +84,9 @@ def test_a_read_error_on_a_range_not_in_the_page_cache_reaches_every_rank(
     drop(files)
     if resident_fraction(files[-1]) > 0.5:
         pytest.skip(f"this file system keeps {files[-1]} cached (POSIX_FADV_DONTNEED ignored)")
-    messages = rank_pools[2].run(dropped_as_the_reader_starts, str(directory), route)
+    messages = rank_pools[2].run(
+        load_with_failing_reads, str(directory), {"tp": 2}, 5, None, {"reader_node": route}
+    )
     assert len(set(messages)) == 1, messages
     assert messages[0].startswith("CollectiveError: rank0_loader: streaming")
     assert "Input/output error" in messages[0]
