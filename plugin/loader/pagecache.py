@@ -357,9 +357,9 @@ class Frontier:
     def wait(self, read: int, board: Board) -> None:
         """Until the first ``read`` buckets are in the page cache (watching the board).
 
-        Polled every 50 microseconds at first, then less often, up to every quarter
-        :data:`~megastart.distributed.POLL_S`: a rank waits here only when it is ahead
-        of the reader.
+        Polled every 50 microseconds at first, then less often, up to every 2 ms
+        (:func:`~megastart.distributed.polled_locally`): a rank waits here only when it is
+        ahead of the reader.
         """
 
         def reached() -> bool:
