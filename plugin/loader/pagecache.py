@@ -339,6 +339,11 @@ class Frontier:
                 "was copied"
             )
 
+    def reached(self, read: int) -> bool:
+        """Whether the reader has said the first ``read`` buckets are in the page cache (one
+        look, no wait)."""
+        return int(self._words[0]) >= read
+
     def publish(self, read: int) -> None:
         """The first ``read`` buckets of the plan are in the page cache."""
         self._words[0] = read

@@ -330,7 +330,8 @@ def take_cached(stream: Stream) -> tuple[int, int]:
     """A rank of the reader's node that reads no files: copy this rank's slices out of the
     load's mappings of the files, at once where their pages are in the page cache already
     (a warm load: every rank of the node copies in parallel, as per-rank slices would), and
-    the others once the reader has read their bucket into it."""
+    the others once the reader has read their bucket into it. A bucket the reader has read
+    already is copied without asking the kernel."""
     frontier = stream.frontier()
     assert frontier is not None
     for index, bucket in enumerate(stream.plan.buckets):
@@ -338,7 +339,10 @@ def take_cached(stream: Stream) -> tuple[int, int]:
         if not mine:
             continue
         window = Window(stream.mappings, mine)
-        cached, not_yet = window.resident_slots(mine)
+        # Behind the reader, its word says the pages are resident: no mincore of its own (a
+        # warm 1 GB load's 54 per rank cost 22 ms of each rank's CPU on 2 quiet cores).
+        read = frontier.reached(index + 1)
+        cached, not_yet = (mine, []) if read else window.resident_slots(mine)
         if cached:
             stream.apply(index, window, cached)
         if not_yet:
