@@ -24,6 +24,7 @@ The modules: :mod:`.errors`, :mod:`.polling`, :mod:`.page`, :mod:`.board`, :mod:
 
 from megastart.distributed.agreement import (
     Outcome,
+    Started,
     agree,
     all_or_none,
     broadcast_or_raise,
@@ -64,6 +65,7 @@ __all__ = [
     "check_agreed",
     "disagreement",
     "all_or_none",
+    "Started",
     "broadcast_or_raise",
     "destroy_group",
     "discard_control",

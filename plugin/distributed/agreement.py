@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -142,18 +143,22 @@ def _summarised(
 
 
 def broadcast_or_raise(
-    what: str, produce: Callable[[], Any], *, timeout_s: float, control: Control
+    what: str, produce: Callable[[], Any] | Started, *, timeout_s: float, control: Control
 ) -> Any:
     """``produce()`` run on rank 0, its result returned on every rank; its error raised on every rank.
 
     One broadcast: the other ranks have nothing to report, so no gather is needed.
-    ``produce()`` runs on a thread of its own: if it has not returned within ``timeout_s``
-    (a read the storage never answers), that is the error, on every rank; the thread
+    ``produce()`` runs on a thread of its own (:class:`Started`: given one, rank 0 takes the
+    outcome of what it started earlier): if it has not returned within ``timeout_s`` of its
+    start (a read the storage never answers), that is the error, on every rank; the thread
     is left to the kernel.
     """
     import torch.distributed as dist
 
-    mine = _bounded(produce, timeout_s) if dist.get_rank() == 0 else None
+    if dist.get_rank() == 0:
+        mine = (produce if isinstance(produce, Started) else Started(produce)).outcome(timeout_s)
+    else:
+        mine = None
     try:  # the others wait longer than rank 0 gives produce(): its error is the one named
         error, value = control.broadcast(mine, timeout_s=timeout_s + 2 * PEER_GRACE_S)
     except Exception as e:
@@ -184,25 +189,35 @@ def _unreported(
     return CollectiveError(f"{what}{here} {missing}: {error}")
 
 
-def _bounded(produce: Callable[[], Any], timeout_s: float) -> tuple[str | None, Any]:
-    """``(None, produce())``, or ``(error, None)`` if it raised or did not return within ``timeout_s``."""
-    outcome: list[tuple[str | None, Any]] = []
+class Started:
+    """``produce()`` running on a thread of its own from now on; :meth:`outcome` waits for it
+    within a bound counted from its start. Rank 0 starts a load's metadata read this way
+    before the ranks check in, and the read runs while it waits for them."""
 
-    def run() -> None:
-        try:
-            outcome.append((None, produce()))
-        except BaseException as e:  # raised by the caller, on every rank
-            outcome.append((describe(e), None))
-
-    thread = threading.Thread(target=run, name="megastart-bounded", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if not outcome:
-        return (
-            f"it did not finish within timeout_s={timeout_s:g} s (the storage did not answer)",
-            None,
+    def __init__(self, produce: Callable[[], Any]) -> None:
+        self._outcome: list[tuple[str | None, Any]] = []
+        self._started = time.monotonic()
+        self._thread = threading.Thread(
+            target=self._run, args=(produce,), name="megastart-bounded", daemon=True
         )
-    return outcome[0]
+        self._thread.start()
+
+    def _run(self, produce: Callable[[], Any]) -> None:
+        try:
+            self._outcome.append((None, produce()))
+        except BaseException as e:  # raised by the caller, on every rank
+            self._outcome.append((describe(e), None))
+
+    def outcome(self, timeout_s: float) -> tuple[str | None, Any]:
+        """``(None, produce())``, or ``(error, None)`` if it raised or did not return within
+        ``timeout_s`` of its start."""
+        self._thread.join(max(0.0, self._started + timeout_s - time.monotonic()))
+        if not self._outcome:
+            return (
+                f"it did not finish within timeout_s={timeout_s:g} s (the storage did not answer)",
+                None,
+            )
+        return self._outcome[0]
 
 
 def agree(

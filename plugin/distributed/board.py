@@ -138,16 +138,21 @@ class Board:
                 f"({type(e).__name__}: {e}; its server, on rank 0's process, may be gone)"
             )
 
-    def failure(self) -> str | None:
+    def failure(self, *, leader_gone: bool | None = None) -> str | None:
         """``"rank R: error"`` of the first failure announced, or ``None``.
 
         A node's other ranks look at its page first, and at the store only for the text, or
         once their leader is gone (it no longer copies the store's failures to the page).
+
+        :param leader_gone: whether the node's leader is gone, where the caller asked already
+            (the answer it acted on: asked again, the leader may have left in between).
         """
         node = self._node
         if node is None or not node.failed():
             if self._on_page:
-                if not node.leader_gone():  # type: ignore[union-attr]
+                if leader_gone is None:
+                    leader_gone = node.leader_gone()  # type: ignore[union-attr]
+                if not leader_gone:
                     return None
                 self._lost_leader(node.leader)  # type: ignore[union-attr]
             elif not self._store.check(["failed"]):
@@ -237,9 +242,14 @@ class Board:
             now = time.monotonic()
             if self._on_page or now - looked_for_failures >= self.look_s:
                 looked_for_failures = now
-                if self._left_after(ready):
+                # The leader leaves the page only once it opened the node's last gate (or made
+                # its last segment): gone, it is dead unless ready holds now. failure() takes
+                # the same answer: asked again, the leader may have opened the gate and left
+                # in between, and a rank preempted there announced it dead.
+                gone = self._on_page and self._node.leader_gone()  # type: ignore[union-attr]
+                if gone and ready(0.001):
                     break
-                failure = self.failure()
+                failure = self.failure(leader_gone=gone if self._on_page else None)
                 if failure is not None:
                     raise PeerFailed(f"{self.what} failed on {failure}")
             if peer and now - looked >= self._progress_look_s:
@@ -251,13 +261,6 @@ class Board:
                 raise self._stalled(limit, what if isinstance(what, str) else what())
         if peer and self._node is not None and self._node.leads:
             self._node.advanced()  # what it waited for came: the node's ranks wait on
-
-    def _left_after(self, ready: Callable[[float], bool]) -> bool:
-        """Whether this rank's node leader has gone after doing what it was waited for: it
-        leaves the page only once it opened the node's last gate (or mapped its last
-        segment), so a leader gone is a leader dead unless ``ready`` holds now."""
-        node = self._node
-        return self._on_page and node is not None and node.leader_gone() and ready(0.001)
 
     def advance(self) -> None:
         """A reader made progress: the peer waits' ``timeout_s`` starts again (a store round trip
@@ -313,8 +316,9 @@ class Board:
         With a :class:`Node` attached, a node's ranks arrive on its page and its
         leader arrives for them all: one ``add`` per node, and one blocking
         ``wait`` per leader on a key the last arriver sets (or a failure,
-        :meth:`announce`); the other ranks look at their page. Without one, each
-        rank does that itself.
+        :meth:`announce`); the other ranks look at their page. A node that holds
+        every rank of the call asks the store nothing. Without a node, each rank
+        does that itself.
 
         :raises PeerFailed: at once, when any rank announces a failure.
         :raises Stalled: as :meth:`wait` on a peer does.
@@ -330,6 +334,10 @@ class Board:
         if node is not None:
             ranks = f"this node's {node.size} ranks to arrive ({what})"
             self.wait(polled_locally(lambda: node.arrived(passed)), ranks, peer=True)
+            if node.size == self.world:  # the node is the whole call: no other leader to meet
+                self._barriers = passed
+                node.open(passed)
+                return
         if self._store.add(f"arrived/{gate}", node.size if node else 1) == self.world:
             self._store.compare_set(gate, "", _GO)
         self._blocking(gate, what)

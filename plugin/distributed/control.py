@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from megastart.distributed.groups import LocalGroup
-from megastart.distributed.wire import allgather, broadcast, gather
+from megastart.distributed.wire import allgather, broadcast, dumps, gather, loads
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -102,12 +102,12 @@ class Control:
 
         held: dict[int, Any] = {dist.get_rank(): value}
         for group in self.groups:
-            for part in allgather(group, pickle.dumps(held), timeout_s):
-                held.update(pickle.loads(part))
+            for part in allgather(group, dumps(held), timeout_s):
+                held.update(loads(part))
         if self.groups and self.top not in self.group_ranks:  # it all comes down from the top
-            held = pickle.loads(self._down(b"", timeout_s))
+            held = loads(self._down(b"", timeout_s))
         elif len(self.groups) > 1:  # the top's ranks lead groups below it
-            self._down(pickle.dumps(held), timeout_s)
+            self._down(dumps(held), timeout_s)
         return [held[rank] for rank in range(self.world)]
 
     def gather_up(self, value: Any, *, timeout_s: float) -> dict[int, Any]:
@@ -126,13 +126,13 @@ class Control:
         interned: dict[bytes, bytes] = {}  # one object per distinct value: pickled once each
         for group in self.groups:
             if group.ranks == self.node:
-                parts: list[bytes] | None = allgather(group, pickle.dumps(held), timeout_s)
+                parts: list[bytes] | None = allgather(group, dumps(held), timeout_s)
             else:
-                parts = gather(group, pickle.dumps(held), timeout_s)
+                parts = gather(group, dumps(held), timeout_s)
             if parts is None:  # its leader carries them up
                 break
             for part in parts:
-                held |= {r: interned.setdefault(b, b) for r, b in pickle.loads(part).items()}
+                held |= {r: interned.setdefault(b, b) for r, b in loads(part).items()}
         loaded: dict[int, Any] = {}  # by the pickled bytes' id
         for data in held.values():
             if id(data) not in loaded:
@@ -147,7 +147,7 @@ class Control:
 
     def broadcast(self, value: Any, *, timeout_s: float) -> Any:
         """Rank 0's ``value`` (picklable) on every rank; rank 0 leads every group it is in."""
-        return pickle.loads(self._down(pickle.dumps(value), timeout_s, top=True))
+        return loads(self._down(dumps(value), timeout_s, top=True))
 
     def scatter(
         self, values: Mapping[int, Mapping[int, bytes]] | None, *, timeout_s: float
@@ -174,10 +174,10 @@ class Control:
             if group.index == 0:
                 if group.ranks == self.node:  # this node's ranks: its own value alone
                     held = _kept(held, (rank,))
-                broadcast(group, pickle.dumps(held), timeout_s)
+                broadcast(group, dumps(held), timeout_s)
                 held = _kept(held, range(rank, group.ranks[1]))  # the leaders below it
                 continue
-            received = pickle.loads(broadcast(group, b"", timeout_s))
+            received = loads(broadcast(group, b"", timeout_s))
             if group.ranks == self.node:
                 return _value(received, group.ranks[0])
             following = group.ranks[group.index + 1 : group.index + 2]

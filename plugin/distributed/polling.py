@@ -29,12 +29,18 @@ OVERSHOOT = 0.125
 """How long a local poll sleeps at most, as a share of how long it has waited so far: a
 condition met during a pause is seen that much later at worst."""
 
+LONGEST_PAUSE_S = 0.002
+"""How long a local poll sleeps at most: the ranks of a warm load that wait 50-100 ms for the
+last one at the final barrier saw its gate open up to 12 ms late with pauses of up to a
+quarter :data:`POLL_S`, and the verdict after it waited for them. At worst 500 looks a second
+at a word of shared memory (a few microseconds of CPU each)."""
+
 
 def polled_locally(condition: Callable[[], bool]) -> Callable[[float], bool]:
     """A ``ready`` for :meth:`~megastart.distributed.Board.wait` that polls a ``condition`` costing no request (a word
     of node-shared memory, a name in ``/dev/shm``): every 50 microseconds at first (the peer
     usually answers at once), then less often, each pause at most :data:`OVERSHOOT` of the
-    wait so far and a quarter :data:`POLL_S`. (Pauses that doubled freely overshot a 30 ms
+    wait so far and :data:`LONGEST_PAUSE_S`. (Pauses that doubled freely overshot a 30 ms
     wait at a node's barrier by up to 25 ms, a tenth of a warm load.) The wait's start
     carries over from one slice to the next."""
     started = time.monotonic()
@@ -46,7 +52,7 @@ def polled_locally(condition: Callable[[], bool]) -> Callable[[float], bool]:
             left = deadline - now
             if left <= 0:
                 return False
-            pause = min(max(5e-5, OVERSHOOT * (now - started)), POLL_S / 4)
+            pause = min(max(5e-5, OVERSHOOT * (now - started)), LONGEST_PAUSE_S)
             time.sleep(min(pause, left))
         return True
 

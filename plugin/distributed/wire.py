@@ -5,7 +5,9 @@ rest in a second; every wait bounded, a peer's failure an error naming the group
 from __future__ import annotations
 
 import datetime
+import pickle
 import time
+import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +26,32 @@ INLINE_BYTES = 4096 - 8
 """Bytes of a payload that travel in the same message as its size: a report (a verdict, a
 bucket count) is one collective, not a size and then its bytes. Longer payloads send the
 rest in a second."""
+
+
+SQUEEZED_BYTES = 8 * INLINE_BYTES
+"""The longest pickled report that is compressed when that makes it fit :data:`INLINE_BYTES`
+(one collective, not two: a small model's metadata, 8.6 KB pickled, 2.5 KB compressed, for
+0.2 ms of CPU); longer ones travel as they are (compressing megabytes costs more CPU than
+the second collective they take anyway)."""
+
+_PICKLED, _SQUEEZED = b"p", b"z"
+
+
+def dumps(value: Any) -> bytes:
+    """``value`` pickled, compressed where that makes it one collective (:data:`SQUEEZED_BYTES`),
+    behind a byte that says which."""
+    pickled = pickle.dumps(value)
+    if INLINE_BYTES < len(pickled) + 1 <= SQUEEZED_BYTES:
+        squeezed = zlib.compress(pickled, 1)
+        if len(squeezed) + 1 <= INLINE_BYTES:
+            return _SQUEEZED + squeezed
+    return _PICKLED + pickled
+
+
+def loads(payload: bytes) -> Any:
+    """What :func:`dumps` made ``payload`` of."""
+    body = payload[1:]
+    return pickle.loads(zlib.decompress(body) if payload[:1] == _SQUEEZED else body)
 
 
 def allgather(group: LocalGroup, payload: bytes, timeout_s: float) -> list[bytes]:

@@ -27,7 +27,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -36,6 +36,7 @@ from megastart.distributed import (
     Board,
     CollectiveError,
     OwnGroups,
+    Started,
     all_or_none,
     broadcast_or_raise,
     discard_control,
@@ -179,6 +180,9 @@ def load_hf_checkpoint(
         with board.announcing():
             settings = settings or resolved()
             start = time.perf_counter()
+            # rank 0 reads the metadata while the ranks check in (its errors are sent after)
+            read = partial(_metadata, str(checkpoint_dir), settings.allow_pickle, bridge)
+            metadata = Started(read) if board.rank == 0 else read
             board.check_in(settings.timeout_s)
             # The board bounds every wait by timeout_s and names it; gloo's own
             # timeout, unnamed, must not come first.
@@ -186,6 +190,7 @@ def load_hf_checkpoint(
                 return _load(
                     list(model_chunks),
                     str(checkpoint_dir),
+                    metadata,
                     settings,
                     own,
                     board,
@@ -212,6 +217,7 @@ def reset_state() -> None:
 def _load(
     chunks: list[Any],
     checkpoint: str,
+    metadata: Callable[[], CheckpointMeta | None] | Started,
     settings: Rank0LoaderSettings,
     own: OwnGroups,
     board: Board,
@@ -229,7 +235,7 @@ def _load(
 
     meta: CheckpointMeta | None = broadcast_or_raise(
         f"{PLUGIN}: reading the metadata of {checkpoint!r}",
-        partial(_metadata, checkpoint, settings.allow_pickle, bridge),
+        metadata,
         timeout_s=settings.timeout_s,
         control=control,
     )

@@ -37,6 +37,11 @@ _FAILED, _PROGRESS, _GATE = 0, 1, 2
 _HEAD = 4
 """Words before the per-rank counts: failed, progress, gate, and one spare."""
 
+SPARE_BYTES = 4096
+"""Bytes of the page after the board's words, for one record the node's ranks share in the load
+(the reader's :class:`~megastart.loader.pagecache.Frontier`): no segment of its own to make,
+map and wait for."""
+
 
 class NodeBoard:
     """One node's page: a :class:`~megastart.distributed.Node` for the load's board.
@@ -59,7 +64,10 @@ class NodeBoard:
         self.index = index
         self.leader = leader
         self._lock = lock
-        self._words = segment.tensor[: self.nbytes(size)].view(torch.int64)
+        words = 8 * (_HEAD + 2 * size)
+        self._words = segment.tensor[:words].view(torch.int64)
+        self.spare = segment.tensor[words : words + SPARE_BYTES]
+        """:data:`SPARE_BYTES` of the page, zero until a rank writes them."""
         self._barriers = self._words[_HEAD : _HEAD + size]
         self._maps = self._words[_HEAD + size : _HEAD + 2 * size]
         self._segments = 1
@@ -67,7 +75,7 @@ class NodeBoard:
 
     @staticmethod
     def nbytes(size: int) -> int:
-        return 8 * (_HEAD + 2 * size)
+        return 8 * (_HEAD + 2 * size) + SPARE_BYTES
 
     @property
     def leads(self) -> bool:

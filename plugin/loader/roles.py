@@ -73,7 +73,8 @@ def read(stream: Stream, settings: Rank0LoaderSettings) -> tuple[int, int]:
     staging = _staging(stream)
     in_use: deque[InUse] = deque()
     sent = 0
-    with _reader_buffers(stream) as buffers, stream.frontier() as frontier:
+    frontier = stream.frontier()
+    with _reader_buffers(stream) as buffers:
         fetch = partial(_fetch, stream, reader, buffers, frontier)
         # From the page cache alone, nothing bounds the read-ahead: it holds no memory.
         ahead = len(stream.plan.buckets) if stream.route.page_cache and leaders is None else BUFFERS
@@ -329,21 +330,25 @@ def take_cached(stream: Stream) -> tuple[int, int]:
     """A rank of the reader's node that reads no files: copy this rank's slices out of the
     load's mappings of the files, at once where their pages are in the page cache already
     (a warm load: every rank of the node copies in parallel, as per-rank slices would), and
-    the others once the reader has read their bucket into it."""
-    with stream.frontier() as frontier:
-        assert frontier is not None
-        for index, bucket in enumerate(stream.plan.buckets):
-            mine = stream.mine(bucket)
-            if not mine:
-                continue
-            window = Window(stream.mappings, mine)
-            cached, not_yet = window.resident_slots(mine)
-            if cached:
-                stream.apply(index, window, cached)
-            if not_yet:
-                frontier.wait(index + 1, stream.route.board)
-                stream.apply(index, window, not_yet)
-            window.release()
+    the others once the reader has read their bucket into it. A bucket the reader has read
+    already is copied without asking the kernel."""
+    frontier = stream.frontier()
+    assert frontier is not None
+    for index, bucket in enumerate(stream.plan.buckets):
+        mine = stream.mine(bucket)
+        if not mine:
+            continue
+        window = Window(stream.mappings, mine)
+        # Behind the reader, its word says the pages are resident: no mincore of its own (a
+        # warm 1 GB load's 54 per rank cost 22 ms of each rank's CPU on 2 quiet cores).
+        read = frontier.reached(index + 1)
+        cached, not_yet = (mine, []) if read else window.resident_slots(mine)
+        if cached:
+            stream.apply(index, window, cached)
+        if not_yet:
+            frontier.wait(index + 1, stream.route.board)
+            stream.apply(index, window, not_yet)
+        window.release()
     return 0, 0
 
 

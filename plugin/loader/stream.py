@@ -168,19 +168,19 @@ class Stream:
         neither waits for the other's)."""
         return 2 * BUFFERS if self.route.striped else BUFFERS
 
-    @contextmanager
-    def frontier(self) -> Iterator[Frontier | None]:
-        """How far the reader has read into the page cache, shared by its node's ranks
-        (``None`` where no other rank polls it: the shared-memory route, a node of one rank)."""
+    def frontier(self) -> Frontier | None:
+        """How far the reader has read into the page cache, shared by its node's ranks on their
+        page (``None`` where no other rank polls it: the shared-memory route, a node of one
+        rank); the others check their plan against the reader's first."""
         if not self.route.page_cache or len(self.route.node) == 1:
-            yield None
-            return
-        reader = f"the reader (rank {self.route.group[0]})"
-        with self.segment(Frontier.NBYTES, lambda s: Frontier(s, reader).plan(self.plan)) as shm:
-            frontier = Frontier(shm, reader)
-            if self.route.position != 0:
-                frontier.check(self.plan)
-            yield frontier
+            return None
+        assert self.route.page is not None  # a node of several ranks has one
+        frontier = Frontier(self.route.page.spare, f"the reader (rank {self.route.group[0]})")
+        if self.route.position == 0:
+            frontier.plan(self.plan)
+        else:
+            frontier.check(self.plan, self.route.board)
+        return frontier
 
     def segment(
         self, nbytes: int, fill: Callable[[Segment], None] | None = None

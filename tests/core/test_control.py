@@ -5,6 +5,8 @@ and the tree of an 8,192-rank job, computed)."""
 
 from __future__ import annotations
 
+import pickle
+import random
 from collections import Counter
 from typing import Any
 
@@ -45,8 +47,10 @@ def exchange(ranks_per_node: int, fanout: int) -> dict[str, Any]:
     """Make a control plane on simulated nodes of ``ranks_per_node`` (through ``LOCAL_RANK``),
     then gather every rank's report, broadcast rank 0's value and scatter rank 0's value for
     each node over it (the last two nodes share one value, which shares a part with node 0's;
-    some reports, and the broadcast value, longer than a collective's inline bytes)."""
+    some reports, and the broadcast values, longer than a collective's inline bytes: those
+    that compress travel in one collective, the random ones in two)."""
     import os
+    import random
 
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _world
@@ -70,6 +74,8 @@ def exchange(ranks_per_node: int, fanout: int) -> dict[str, Any]:
         ),
         "holds_all": control.holds_all,
         "broadcast": control.broadcast(f"from rank {rank}" + "y" * 5000, timeout_s=30.0),
+        "random": control.gather(random.Random(rank).randbytes(3000 * rank), timeout_s=30.0),
+        "random_broadcast": control.broadcast(random.Random(rank).randbytes(9000), timeout_s=30.0),
         "registered": _world.group_count - registered,
     }
 
@@ -91,9 +97,12 @@ def test_every_rank_hears_every_report_through_a_tree_of_nodes_and_leaders(six: 
         [(4, 5)],
     ]
     expected = [{"rank": r, "text": "x" * r * 2000} for r in range(6)]
+    randoms = [random.Random(r).randbytes(3000 * r) for r in range(6)]
     for result in results:
         assert result["gathered"] == expected
         assert result["broadcast"] == "from rank 0" + "y" * 5000
+        assert result["random"] == randoms
+        assert result["random_broadcast"] == random.Random(0).randbytes(9000)
         assert result["registered"] == 0  # the host's group names and counts are untouched
     # each node's ranks get their leader's value, the last two nodes the one they share
     shared = {-1: b"the last nodes' value", 0: b"node 0"}
@@ -205,6 +214,20 @@ def test_a_world_of_one_gathers_and_broadcasts_its_own_value() -> None:
     assert result["gathered"] == [{"rank": 0, "text": ""}]
     assert result["up"] == up_values(1, 0) and result["holds_all"]
     assert result["broadcast"] == "from rank 0" + "y" * 5000
+
+
+def test_a_report_that_compresses_to_a_collective_s_inline_bytes_travels_in_one() -> None:
+    """A small model's metadata (8.6 KB pickled) goes in one broadcast, not a size and then
+    its bytes; a random one, or one too long to be worth compressing, as it is."""
+    from megastart.distributed.control import INLINE_BYTES, SQUEEZED_BYTES, _dumps, _loads
+
+    names = {f"model.layers.{i}.mlp.up_proj.weight": (i, [4864, 896]) for i in range(150)}
+    noise = random.Random(0).randbytes(2 * INLINE_BYTES)
+    long = [random.Random(1).randbytes(16) * 64 for _ in range(SQUEEZED_BYTES // 1000)]
+    assert len(_dumps(names)) <= INLINE_BYTES < len(pickle.dumps(names))
+    assert len(_dumps(noise)) > INLINE_BYTES and len(_dumps(long)) > SQUEEZED_BYTES
+    for value in (names, noise, long, "short"):
+        assert _loads(_dumps(value)) == value
 
 
 def make_without(missing: int) -> str:

@@ -161,13 +161,16 @@ def load_expecting_error(
 def reader_storage_fails(good_reads: int, failure: Any, rank: int = 0):
     """On ``rank``, ``failure(entry)`` runs instead of (a raise) or before (a stall) every read
     of the storage after ``good_reads``: into a buffer (``read_exact``) or into the page cache
-    (``pagecache.populate``), whichever route the load takes."""
+    (``pagecache.populate``), whichever route the load takes. The checkpoint's files leave the
+    page cache as the reader starts: on the page cache's route it reads only what is not
+    resident, and the metadata's read-ahead brings small files back."""
     import torch.distributed as dist
 
-    from megastart.loader import pagecache
+    from megastart.bench.limits import drop_from_page_cache
+    from megastart.loader import pagecache, roles
     from megastart.loader.checkpoint import reader as checkpoint_module
 
-    originals = checkpoint_module.read_exact, pagecache.populate
+    originals = checkpoint_module.read_exact, pagecache.populate, roles.read
     calls = [0]
 
     def wrap(original: Any) -> Any:
@@ -179,12 +182,25 @@ def reader_storage_fails(good_reads: int, failure: Any, rank: int = 0):
 
         return read
 
+    def dropped_first(stream: Any, *args: Any) -> Any:
+        meta = stream.meta
+        files = sorted({os.path.join(meta.directory, e.file) for e in meta.tensors.values()})
+        for file in files:  # written back first: dirty pages stay
+            fd = os.open(file, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        drop_from_page_cache(files)
+        return originals[2](stream, *args)
+
     if dist.get_rank() == rank:
-        checkpoint_module.read_exact, pagecache.populate = map(wrap, originals)
+        checkpoint_module.read_exact, pagecache.populate = map(wrap, originals[:2])
+        roles.read = dropped_first
     try:
         yield
     finally:
-        checkpoint_module.read_exact, pagecache.populate = originals
+        checkpoint_module.read_exact, pagecache.populate, roles.read = originals
 
 
 def load_with_failing_reads(
