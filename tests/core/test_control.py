@@ -219,15 +219,15 @@ def test_a_world_of_one_gathers_and_broadcasts_its_own_value() -> None:
 def test_a_report_that_compresses_to_a_collective_s_inline_bytes_travels_in_one() -> None:
     """A small model's metadata (8.6 KB pickled) goes in one broadcast, not a size and then
     its bytes; a random one, or one too long to be worth compressing, as it is."""
-    from megastart.distributed.control import INLINE_BYTES, SQUEEZED_BYTES, _dumps, _loads
+    from megastart.distributed.wire import INLINE_BYTES, SQUEEZED_BYTES, dumps, loads
 
     names = {f"model.layers.{i}.mlp.up_proj.weight": (i, [4864, 896]) for i in range(150)}
     noise = random.Random(0).randbytes(2 * INLINE_BYTES)
     long = [random.Random(1).randbytes(16) * 64 for _ in range(SQUEEZED_BYTES // 1000)]
-    assert len(_dumps(names)) <= INLINE_BYTES < len(pickle.dumps(names))
-    assert len(_dumps(noise)) > INLINE_BYTES and len(_dumps(long)) > SQUEEZED_BYTES
+    assert len(dumps(names)) <= INLINE_BYTES < len(pickle.dumps(names))
+    assert len(dumps(noise)) > INLINE_BYTES and len(dumps(long)) > SQUEEZED_BYTES
     for value in (names, noise, long, "short"):
-        assert _loads(_dumps(value)) == value
+        assert loads(dumps(value)) == value
 
 
 def make_without(missing: int) -> str:
