@@ -138,8 +138,7 @@ def _status_bytes(field: str) -> int:
 
 def test_no_rank_holds_more_than_a_bucket_of_other_ranks_experts(checkpoints: Any) -> None:
     """In ranks of their own: a peak of resident memory measured in a process that ran the
-    other tests' loads before would count their allocator's state (2.5 MiB against a bound of
-    2.5 MiB once, in CI, after the loader's modules came to share one pool)."""
+    other tests' loads before would count their allocator's state."""
     from megastart.harness.launch import RankPool
 
     directory, _ = checkpoints("qwen3_moe", num_experts=16, moe_intermediate_size=512)
@@ -148,7 +147,10 @@ def test_no_rank_holds_more_than_a_bucket_of_other_ranks_experts(checkpoints: An
     bucket = 2**19
     others = expert_bytes // 2  # EP2: half of the experts belong to the other EP rank
     assert others >= 16 * bucket
-    slack = 2**20  # the plan's Python objects, gloo's groups
+    # The plan's Python objects, gloo's groups, a transform's output (an expert's fc1 is
+    # 256 KiB): the reader's peak measured 2.3-2.6 MiB beside 1.5 MiB of slots.
+    slack = 2 * 2**20
+    assert BUFFERS * bucket + slack <= others / 2, "the bound would not see another EP rank's half"
     with RankPool(2, timeout_s=120) as pool:
         grown = pool.run(load_measuring_peak, directory, {"ep": 2}, bucket / 2**20)
     for rank, grew in grown:
