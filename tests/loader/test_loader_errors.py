@@ -14,18 +14,20 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from support.loader_ranks import (
-    load_and_forward,
-    load_expecting_error,
-    load_for_engine_counting_warnings,
-    load_per_rank_settings,
+from support.loader_faults import (
     load_unless_rank,
     load_while_a_rank_dies,
     load_with_another_plan_on,
     load_with_failing_reads,
     load_with_failing_receiver,
-    load_with_resolved_settings,
     load_with_stalled_read,
+)
+from support.loader_ranks import (
+    load_and_forward,
+    load_expecting_error,
+    load_for_engine_counting_warnings,
+    load_per_rank_settings,
+    load_with_resolved_settings,
 )
 
 from megastart.harness.launch import RankFailure, RankPool

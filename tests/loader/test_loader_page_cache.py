@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.loader_ranks import load_parameters, load_with_failing_reads
+from support.loader_faults import load_with_failing_reads
+from support.loader_ranks import load_parameters
 
 from megastart.bench.limits import drop_from_page_cache
 from megastart.harness.launch import RankPool

@@ -12,14 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.loader_ranks import (
-    load_as_nodes,
-    load_seeing_shared_segments,
+from support.loader_faults import (
     load_while_a_rank_dies,
     load_with_failing_reads,
     load_with_slow_reads,
     load_with_stalled_read,
 )
+from support.loader_ranks import load_as_nodes, load_seeing_shared_segments
 
 from megastart.distributed import PEER_GRACE_S
 from megastart.harness.launch import RankFailure, RankPool

@@ -14,11 +14,8 @@ from typing import Any
 
 import pytest
 import torch
-from support.loader_ranks import (
-    load_parameters_as_nodes,
-    load_while_a_rank_dies,
-    load_with_failing_reads,
-)
+from support.loader_faults import load_while_a_rank_dies, load_with_failing_reads
+from support.loader_ranks import load_parameters_as_nodes
 
 from megastart.harness.launch import RankFailure, RankPool
 

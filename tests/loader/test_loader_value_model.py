@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors import safe_open
-from support.loader_ranks import load_critic_and_forward, reference_hidden_states
+from support.critic_ranks import load_critic_and_forward, reference_hidden_states
 
 from megastart.harness.checkpoints import make_checkpoint
 

@@ -50,7 +50,7 @@ def test_a_critic_loads_its_backbone_through_on_model_load_and_keeps_areals_valu
     checkpoint, tmp_path
 ):
     from megastart_areal_probe import events
-    from support.loader_ranks import reference_hidden_states
+    from support.critic_ranks import reference_hidden_states
 
     log = tmp_path / "events.jsonl"
     with activated_pool({**ENV, "AREAL_PROBE_LOG": str(log)}) as ranks:
