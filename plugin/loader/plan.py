@@ -56,8 +56,34 @@ class Bucket:
     reader: int = 0
     """The position in the reader group of the rank that reads it (:mod:`.stripes`)."""
 
-    def __reduce__(self) -> tuple[type[Bucket], tuple[Any, ...]]:
-        return Bucket, (self.slots, self.nbytes, self.positions, self.reader)  # as Slot's
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # by its fields, as Slot's; the receivers as runs of consecutive positions where that
+        # is shorter (a pipeline stage's ranks: thousands, in one run), so that a node's view
+        # of the plan does not grow with the data-parallel size
+        runs = _runs(self.positions)
+        if len(runs) < len(self.positions):
+            return _bucket_of_runs, (self.slots, self.nbytes, runs, self.reader)
+        return Bucket, (self.slots, self.nbytes, self.positions, self.reader)
+
+
+def _runs(positions: tuple[int, ...]) -> tuple[int, ...]:
+    """``positions`` as runs of consecutive ones, in order: each run's first and one past its
+    last, flat."""
+    runs: list[int] = []
+    for position in positions:
+        if runs and runs[-1] == position:
+            runs[-1] += 1
+        else:
+            runs += (position, position + 1)
+    return tuple(runs)
+
+
+def _bucket_of_runs(
+    slots: tuple[Slot, ...], nbytes: int, runs: tuple[int, ...], reader: int
+) -> Bucket:
+    """The :class:`Bucket` that :meth:`Bucket.__reduce__` pickled with its receivers' runs."""
+    ranges = (range(start, stop) for start, stop in zip(runs[::2], runs[1::2], strict=True))
+    return Bucket(slots, nbytes, tuple(p for run in ranges for p in run), reader)
 
 
 @dataclass(frozen=True, slots=True)
