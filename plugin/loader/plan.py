@@ -56,32 +56,43 @@ class Bucket:
     reader: int = 0
     """The position in the reader group of the rank that reads it (:mod:`.stripes`)."""
 
+    def __reduce__(self) -> tuple[type[Bucket], tuple[Any, ...]]:
+        return Bucket, (self.slots, self.nbytes, self.positions, self.reader)  # as Slot's
+
+
+@dataclass(frozen=True, slots=True)
+class Shipped:
+    """A bucket as a node's view of the plan pickles it: its receivers as runs of consecutive
+    positions (:func:`runs`: a pipeline stage's thousands of ranks are one run), so that the
+    view does not grow with the data-parallel size; it unpickles as the :class:`Bucket`."""
+
+    bucket: Bucket
+    runs: tuple[int, ...] | None
+    """``runs(bucket.positions)``, or ``None`` where that is no shorter than the positions."""
+
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        # by its fields, as Slot's; the receivers as runs of consecutive positions where that
-        # is shorter (a pipeline stage's ranks: thousands, in one run), so that a node's view
-        # of the plan does not grow with the data-parallel size
-        runs = _runs(self.positions)
-        if len(runs) < len(self.positions):
-            return _bucket_of_runs, (self.slots, self.nbytes, runs, self.reader)
-        return Bucket, (self.slots, self.nbytes, self.positions, self.reader)
+        if self.runs is None:
+            return self.bucket.__reduce__()
+        b = self.bucket
+        return _bucket_of_runs, (b.slots, b.nbytes, self.runs, b.reader)
 
 
-def _runs(positions: tuple[int, ...]) -> tuple[int, ...]:
+def runs(positions: tuple[int, ...]) -> tuple[int, ...]:
     """``positions`` as runs of consecutive ones, in order: each run's first and one past its
     last, flat."""
-    runs: list[int] = []
+    found: list[int] = []
     for position in positions:
-        if runs and runs[-1] == position:
-            runs[-1] += 1
+        if found and found[-1] == position:
+            found[-1] += 1
         else:
-            runs += (position, position + 1)
-    return tuple(runs)
+            found += (position, position + 1)
+    return tuple(found)
 
 
 def _bucket_of_runs(
     slots: tuple[Slot, ...], nbytes: int, runs: tuple[int, ...], reader: int
 ) -> Bucket:
-    """The :class:`Bucket` that :meth:`Bucket.__reduce__` pickled with its receivers' runs."""
+    """The :class:`Bucket` that :class:`Shipped` pickled with its receivers' runs."""
     ranges = (range(start, stop) for start, stop in zip(runs[::2], runs[1::2], strict=True))
     return Bucket(slots, nbytes, tuple(p for run in ranges for p in run), reader)
 

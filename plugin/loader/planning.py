@@ -24,9 +24,11 @@ from megastart.loader.needs import Demand
 from megastart.loader.plan import (
     Bucket,
     Plan,
+    Shipped,
     build_plan,
     demands_once,
     distinct,
+    runs,
     unused_tensors,
 )
 from megastart.loader.route import Nodes
@@ -194,9 +196,10 @@ takes it (:func:`handed_out`)."""
 def node_views(plan: Plan, nodes: Nodes) -> dict[int, dict[int, bytes]]:
     """Per node (by its leader's position), the buckets its ranks need or its leader reads, by
     their index in ``plan``, each pickled once for every node (so the scatter copies bytes,
-    it does not pickle a bucket per node): one object per distinct set of buckets (the nodes
-    of one pipeline stage and expert-parallel rank share theirs), in one pass over the plan;
-    and the group's ``nodes`` (:data:`NODES`), for the leaders' routes."""
+    it does not pickle a bucket per node; its receivers as runs, :class:`Shipped`): one
+    object per distinct set of buckets (the nodes of one pipeline stage and expert-parallel
+    rank share theirs), in one pass over the plan; and the group's ``nodes``
+    (:data:`NODES`), for the leaders' routes."""
     indices: dict[int, list[int]] = {leader: [] for leader in nodes.leaders}
     reached: dict[int, tuple[int, ...]] = {}  # by the positions' id: one tuple per receiver set
     for index, bucket in enumerate(plan.buckets):
@@ -205,14 +208,22 @@ def node_views(plan: Plan, nodes: Nodes) -> dict[int, dict[int, bytes]]:
         )
         for leader in {*leaders, nodes.leader_of[bucket.reader]}:
             indices[leader].append(index)
+    compact: dict[int, tuple[int, ...] | None] = {}  # by the positions' id, as ``reached``
+
+    def shipped(bucket: Bucket) -> bytes:
+        key = id(bucket.positions)
+        if key not in compact:
+            its = runs(bucket.positions)
+            compact[key] = its if len(its) < len(bucket.positions) else None
+        return pickle.dumps(Shipped(bucket, compact[key]))
+
     pickled: dict[int, bytes] = {NODES: pickle.dumps(nodes)}
     views: dict[tuple[int, ...], dict[int, bytes]] = {}
     for its in indices.values():
         key = tuple(its)
         if key not in views:
             views[key] = {
-                i: pickled.get(i) or pickled.setdefault(i, pickle.dumps(plan.buckets[i]))
-                for i in its
+                i: pickled.get(i) or pickled.setdefault(i, shipped(plan.buckets[i])) for i in its
             }
             views[key][NODES] = pickled[NODES]
     return {leader: views[tuple(its)] for leader, its in indices.items()}
