@@ -166,17 +166,18 @@ def _planning(
     (:class:`~megastart.loader.planning.WorldDemands`), plans the buckets and cuts each
     node's view of them; another rank unpickles its node's reports, the summary and its
     node's view as the control plane hands them down
-    (:func:`~megastart.loader.planning.handed_out`)."""
+    (:func:`~megastart.loader.planning.handed_out`: a leader's with the group's nodes, a
+    member's without)."""
     from megastart.distributed.control import scatter_parts
     from megastart.distributed.wire import INLINE_BYTES
     from megastart.loader.mappings import mapping_for
     from megastart.loader.plan import build_plan
-    from megastart.loader.planning import Outline, WorldDemands, node_plan, node_views
-    from megastart.loader.route import Nodes, leader_sets
+    from megastart.loader.planning import NODES, Outline, WorldDemands, node_plan, node_views
+    from megastart.loader.route import Nodes, leader_sets, local_buckets
 
     table = mapping_for(meta.architectures[0])
     nodes = Nodes.of(keys)
-    group = list(range(len(keys)))
+    group = range(len(keys))
 
     def plan_all() -> tuple[Any, dict[int, Any], Outline, bytes]:
         loaded: dict[int, Any] = {}  # each distinct report unpickled once, as gather_up does
@@ -195,11 +196,15 @@ def _planning(
     plans = role == "reader" or len(nodes.members) == 1  # one node: every rank plans
     if not plans:  # what the tree hands this node, made once, outside the timing
         _, views, outline, summary = plan_all()
-        handed = pickle.dumps((views[nodes.leader_of[rank]], outline))
+        view = dict(views[nodes.leader_of[rank]])
+        if role == "member":  # the scatter's private part reaches the leader alone
+            del view[NODES]
+        handed = pickle.dumps((view, outline))
         down = sum(8 + max(INLINE_BYTES, len(data)) for data in (summary, handed))
     node = nodes.node_of(rank)
 
     def work() -> dict[str, Any]:
+        layout: Nodes | None = nodes
         if plans:
             plan = plan_all()[0]
         else:
@@ -207,16 +212,21 @@ def _planning(
             held = [pickle.loads(reports[r]) for r in node]
             pickle.loads(summary)
             view, outline = pickle.loads(handed)
+            theirs = view.pop(NODES, None)
+            layout = None if theirs is None else pickle.loads(theirs)
             plan = node_plan(outline, view)
-        # the sets of leaders a bucket reaches; this rank makes those it is in, with them alone
-        made = [s for s in leader_sets(group, nodes, plan.receiver_sets) if rank in s]
+        # the sets of leaders a bucket reaches; a leader makes those it is in, with them alone
+        made = []
+        if layout is not None:
+            made = [s for s in leader_sets(group, layout, plan.receiver_sets) if rank in s]
         # the node's own two (headers, reports), made by its ranks alone; none on the reader's
         # node, which takes its slices out of the page cache
-        local = 2 if len(node) > 1 and rank not in nodes.members[0] else 0
+        local = 2 if len(node) > 1 and 0 not in node else 0
         if role == "member":  # Route.local_buckets: the buckets its leader announces
-            looked = len(nodes.local_buckets(rank, plan))
+            looked = len(local_buckets(node, plan))
         else:  # the reader's and the leaders' Route.leaders_for of every bucket
-            looked = sum(len(nodes.leaders_reached(b.positions)) for b in plan.buckets)
+            assert layout is not None
+            looked = sum(len(layout.leaders_reached(b.positions)) for b in plan.buckets)
         if not plans:
             del held  # held to here, as the load holds them
         return {"groups": len(made) + local, "between_leaders": len(made), "looked": looked}

@@ -17,7 +17,7 @@ import hashlib
 import os
 import pickle
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from megastart.distributed.groups import LocalGroup
@@ -150,12 +150,17 @@ class Control:
         return loads(self._down(dumps(value), timeout_s, top=True))
 
     def scatter(
-        self, values: Mapping[int, Mapping[int, bytes]] | None, *, timeout_s: float
+        self,
+        values: Mapping[int, Mapping[int, bytes]] | None,
+        *,
+        timeout_s: float,
+        private: Collection[int] = (),
     ) -> dict[int, bytes]:
         """Rank 0's ``values[leader]`` on every rank of ``leader``'s node: each node gets its
         own, not the others' (``values``: by node leader, on rank 0; ignored elsewhere). A
         value is made of parts (``{part: bytes}``); a part is the same bytes in every value
-        that holds it.
+        that holds it. The ``private`` parts reach the node leaders alone: a node's other
+        ranks get the rest of its value.
 
         Down the tree, each group's leader sends what its group's subtrees need, and each
         rank keeps its own subtree's part (the leader too, for the groups it leads lower
@@ -172,9 +177,11 @@ class Control:
             held = scatter_parts(values)
         for group in reversed(self.groups):
             if group.index == 0:
+                sent = held
                 if group.ranks == self.node:  # this node's ranks: its own value alone
                     held = _kept(held, (rank,))
-                broadcast(group, dumps(held), timeout_s)
+                    sent = _kept(held, (rank,), private)
+                broadcast(group, dumps(sent), timeout_s)
                 held = _kept(held, range(rank, group.ranks[1]))  # the leaders below it
                 continue
             received = loads(broadcast(group, b"", timeout_s))
@@ -253,16 +260,17 @@ def scatter_parts(values: Mapping[int, Mapping[int, bytes]]) -> _Parts:
     return pointers, [tuple(objects[key]) for key in distinct], parts
 
 
-def _kept(held: _Parts, leaders: Sequence[int] | range) -> _Parts:
+def _kept(held: _Parts, leaders: Sequence[int] | range, dropped: Collection[int] = ()) -> _Parts:
     """The part of a :meth:`Control.scatter` payload for ``leaders``: their pointers, the
-    distinct values they point at (renumbered), and those values' parts."""
+    distinct values they point at (renumbered, without the ``dropped`` parts), and those
+    values' parts."""
     pointers, values, parts = held
     kept: dict[int, int] = {}
     renumbered: dict[int, int] = {}
     for leader, index in pointers.items():
         if leader in leaders:
             kept[leader] = renumbered.setdefault(index, len(renumbered))
-    chosen = [values[index] for index in renumbered]
+    chosen = [tuple(p for p in values[index] if p not in dropped) for index in renumbered]
     return kept, chosen, {part: parts[part] for value in chosen for part in value}
 
 

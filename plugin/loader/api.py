@@ -73,7 +73,6 @@ from megastart.loader.route import Nodes, open_route
 from megastart.loader.settings import PLUGIN, Rank0LoaderSettings, resolved
 from megastart.loader.staging import copy_threads
 from megastart.loader.stream import Stream
-from megastart.loader.transport import reader_groups
 from megastart.loader.verify import Coverage
 from megastart.records import LoadReport
 
@@ -254,6 +253,7 @@ def _load(
         meta,
         table,
         value_model=value_model,
+        node_readers=settings.reader == "node",
         fix="set the MEGASTART_RANK0_LOADER_* variables (or the megastart.rank0_loader config) "
         "the same on every rank",
     )
@@ -281,39 +281,43 @@ def _load(
         raise Untranslatable(summary.untranslatable)
     if table is None:  # the bridge decided: what it leaves unread is only named, not refused
         table = known_table(meta)
-    nodes = list(summary.nodes)
-    groups = reader_groups(settings.reader, nodes)
-    group = next(g for g in groups if rank in g)
-    striped = settings.reader in ("striped", "auto") and len(set(nodes)) > 1
-    group_nodes = Nodes.of([nodes[r] for r in group])
+    here = tuple(r for r, theirs in held.items() if theirs.node == held[rank].node)  # its node
+    if settings.reader == "node":
+        group: Sequence[int] = here
+    else:
+        group = range(dist.get_world_size())
+    striped = settings.reader in ("striped", "auto") and summary.nodes > 1
     # a group of several nodes: its reader plans, and each node takes its buckets from it
-    handed = len(group_nodes.members) > 1
+    handed = len(here) < len(group)
+    node = tuple(group.index(r) for r in here)
 
     left_by_all = summary.left_to_host
     known = table
 
-    def plan_here() -> tuple[Plan, tuple[int, ...], int, str]:
+    def plan_here() -> tuple[Plan, tuple[int, ...], int, str, Nodes | None]:
         """This rank's plan, its group's reader ranks, the checkpoint tensors some rank takes,
-        and the transport's backend: planned here, or, in a group of several nodes, by its
-        reader alone and handed down to each node."""
+        the transport's backend, and the group's nodes where this rank needs them: planned
+        here, or, in a group of several nodes, by its reader alone and handed down to each
+        node."""
         backend = transport_backend(settings.transport, set(summary.devices))
-        buckets = None
-        if not handed or rank == group[0]:
+        buckets = nodes = None
+        if not handed or rank == group[0]:  # its reports: its node's, or every rank's on rank 0
+            nodes = Nodes.of([held[r].node for r in group])
             buckets = plan_buckets(
                 world.of(group, held),
                 meta,
                 settings,
-                groups,
                 group,
                 nodes,
+                readers=summary.readers if settings.reader == "node" else (0,),
                 unused=summary.unused,
                 striped=striped,
                 checkpoint=checkpoint,
                 strict=settings.strict and bridge is None,
             )
         if handed:
-            plan, outline = handed_out(
-                buckets, group, group_nodes, control, timeout_s=own.timeout_s
+            plan, outline, nodes = handed_out(
+                buckets, group, nodes, control, timeout_s=own.timeout_s
             )
             readers = outline.reader_ranks
         else:
@@ -323,38 +327,38 @@ def _load(
             announce(
                 buckets, left_by_all, checkpoint, known, striped=striped, value_model=value_model
             )
-        return plan, readers, summary.tensors, backend
+        return plan, readers, summary.tensors, backend, nodes
 
     cached = settings.reader_node == "page_cache" and meta.format == "safetensors"
+    page_cache = [cached and held[r].page_cache for r in here]
     # One node taking its slices out of the page cache makes no process group (where a rank
     # that failed to plan would leave the others waiting, unnamed): it plans inside the
     # stream's phase, a failure stops the others at the board, and the planning phase's
     # verdict (a collective) goes.
     ahead = None
-    if not (len(set(nodes)) == 1 and cached and all(summary.page_cache)):
+    if not (summary.nodes == 1 and all(page_cache)):
         with phase(f"{PLUGIN}: planning the buckets"):
             ahead = plan_here()
     coverage = Coverage()
     with (
         phase(f"{PLUGIN}: streaming {checkpoint!r} and verifying the coverage") as loaded,
-        node_board(
-            board, [r for r, key in enumerate(nodes) if key == nodes[rank]], nodes=len(set(nodes))
-        ) as page,
+        node_board(board, here, nodes=summary.nodes) as page,
     ):
-        plan, readers, demanded, backend = ahead or plan_here()
+        plan, readers, demanded, backend, nodes = ahead or plan_here()
         route = open_route(
             group,
-            [nodes[r] for r in group],
+            node,
+            nodes,
             plan.receiver_sets,
             own,
-            page_cache=[cached and summary.page_cache[r] for r in group],
+            page_cache=page_cache,
             backend=backend,
             device=device,
             board=board,
             page=page,
             striped=striped,
         )
-        if route.opens_files and nodes[rank] != nodes[0]:  # another node may mount them apart
+        if route.opens_files and 0 not in here:  # another node may mount them apart
             meta = dataclasses.replace(meta, shards=as_seen_here(meta.directory, meta.shards))
         with Copier(device, copy_threads(len(route.node))) as copier:
             stream = Stream(meta, plan, needs, tensors, shard, coverage, route, copier)

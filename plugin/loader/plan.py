@@ -61,6 +61,43 @@ class Bucket:
 
 
 @dataclass(frozen=True, slots=True)
+class Shipped:
+    """A bucket as a node's view of the plan pickles it: its receivers as runs of consecutive
+    positions (:func:`runs`: a pipeline stage's thousands of ranks are one run), so that the
+    view does not grow with the data-parallel size; it unpickles as the :class:`Bucket`."""
+
+    bucket: Bucket
+    runs: tuple[int, ...] | None
+    """``runs(bucket.positions)``, or ``None`` where that is no shorter than the positions."""
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        if self.runs is None:
+            return self.bucket.__reduce__()
+        b = self.bucket
+        return _bucket_of_runs, (b.slots, b.nbytes, self.runs, b.reader)
+
+
+def runs(positions: tuple[int, ...]) -> tuple[int, ...]:
+    """``positions`` as runs of consecutive ones, in order: each run's first and one past its
+    last, flat."""
+    found: list[int] = []
+    for position in positions:
+        if found and found[-1] == position:
+            found[-1] += 1
+        else:
+            found += (position, position + 1)
+    return tuple(found)
+
+
+def _bucket_of_runs(
+    slots: tuple[Slot, ...], nbytes: int, runs: tuple[int, ...], reader: int
+) -> Bucket:
+    """The :class:`Bucket` that :class:`Shipped` pickled with its receivers' runs."""
+    ranges = (range(start, stop) for start, stop in zip(runs[::2], runs[1::2], strict=True))
+    return Bucket(slots, nbytes, tuple(p for run in ranges for p in run), reader)
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     buckets: tuple[Bucket, ...]
 

@@ -24,9 +24,11 @@ from megastart.loader.needs import Demand
 from megastart.loader.plan import (
     Bucket,
     Plan,
+    Shipped,
     build_plan,
     demands_once,
     distinct,
+    runs,
     unused_tensors,
 )
 from megastart.loader.route import Nodes
@@ -59,14 +61,16 @@ class RankDemands(NamedTuple):
 class Summary(NamedTuple):
     """What every rank needs of the ranks' :class:`RankDemands`, from rank 0 (which alone
     receives them all, :class:`WorldDemands`): not the world's demands (9-11 MB at 8,192
-    ranks), which only the reader plans with."""
+    ranks), which only the reader plans with, nor every rank's node (a rank takes its own
+    node's from the reports it holds, and a node leader the reader group's nodes with its
+    buckets, :func:`handed_out`): the same bytes whatever the world's size."""
 
-    nodes: tuple[tuple[str, int], ...]
-    """Every rank's node, one object per node (pickled once each)."""
+    nodes: int
+    """How many nodes the ranks are on."""
+    readers: tuple[int, ...]
+    """With ``reader=node``, each node's first rank (its reader), ascending; else ``()``."""
     devices: frozenset[str]
     """The device types of every rank's parameters."""
-    page_cache: tuple[bool, ...]
-    """Per rank, :attr:`RankDemands.page_cache`."""
     left_to_host: tuple[str, ...]
     """Every rank's :attr:`RankDemands.left_to_host`, sorted, once each."""
     disagreement: str | None
@@ -84,12 +88,20 @@ class WorldDemands:
     planning phase's ``summarise``) and kept, unpacked once, for its own planning."""
 
     def __init__(
-        self, meta: CheckpointMeta, table: MappingTable | None, *, value_model: bool, fix: str
+        self,
+        meta: CheckpointMeta,
+        table: MappingTable | None,
+        *,
+        value_model: bool,
+        fix: str,
+        node_readers: bool = False,
     ) -> None:
         self.meta = meta
         self.table = table
         self.value_model = value_model
         self.fix = fix
+        self.node_readers = node_readers
+        """Each node reads for itself (``reader=node``): the summary names their readers."""
         self.demands: list[list[Demand]] = []
         """Every rank's, once summarised here (on rank 0; on one node, every rank)."""
 
@@ -98,11 +110,13 @@ class WorldDemands:
         table = self.table if self.table is not None else known_table(self.meta)
         unused = unused_tensors(self.demands, self.meta, table, value_model=self.value_model)
         distinct_names = {n for d in distinct(self.demands) for names, _ in d for n in names}
-        one_each: dict[tuple[str, int], tuple[str, int]] = {}
+        first: dict[tuple[str, int], int] = {}  # each node's first rank
+        for rank, report in enumerate(reports):
+            first.setdefault(report.node, rank)
         return Summary(
-            nodes=tuple(one_each.setdefault(r.node, r.node) for r in reports),
+            nodes=len(first),
+            readers=tuple(sorted(first.values())) if self.node_readers else (),
             devices=frozenset(r.device for r in reports),
-            page_cache=tuple(r.page_cache for r in reports),
             left_to_host=tuple(sorted({name for r in reports for name in r.left_to_host})),
             disagreement=disagreement(PLUGIN, [r.settings for r in reports], fix=self.fix),
             untranslatable=min({r.untranslatable for r in reports} - {""}, default=""),
@@ -134,18 +148,19 @@ def plan_buckets(
     demands: Sequence[Sequence[Demand]],
     meta: CheckpointMeta,
     settings: Rank0LoaderSettings,
-    groups: Sequence[list[int]],
-    group: list[int],
-    nodes: Sequence[tuple[str, int]],
+    group: Sequence[int],
+    nodes: Nodes,
     *,
+    readers: tuple[int, ...],
     unused: tuple[str, ...],
     striped: bool,
     checkpoint: str,
     strict: bool,
 ) -> Buckets:
-    """The buckets of this rank's reader group (``demands``: its ranks', in its order); raises
-    :class:`PlanError` for tensors no rank uses (``unused``, :attr:`Summary.unused`) when
-    ``strict``."""
+    """The buckets of this rank's reader group (``demands``: its ranks', in its order; ``nodes``:
+    its nodes); raises :class:`PlanError` for tensors no rank uses (``unused``,
+    :attr:`Summary.unused`) when ``strict``. ``readers``: every group's reader, unless
+    ``striped``."""
     if unused and strict:
         raise PlanError(_unused_message(list(unused), checkpoint, strict=True))
     plan = build_plan(
@@ -155,12 +170,8 @@ def plan_buckets(
         to_reader=not striped,
     )
     if striped:
-        plan = stripe(plan, Nodes.of([nodes[r] for r in group]))
-    readers = (
-        tuple(sorted({group[b.reader] for b in plan.buckets}))
-        if striped
-        else tuple(g[0] for g in groups)
-    )
+        plan = stripe(plan, nodes)
+        readers = tuple(sorted({group[b.reader] for b in plan.buckets}))
     return Buckets(plan, readers, unused)
 
 
@@ -176,11 +187,19 @@ class Outline(NamedTuple):
     """:attr:`Buckets.readers`."""
 
 
+NODES = -1
+"""The part of every node's view (:func:`node_views`) that holds the reader group's nodes
+(pickled as runs, :meth:`~megastart.loader.route.Nodes.__reduce__`): only a node's leader
+takes it (:func:`handed_out`)."""
+
+
 def node_views(plan: Plan, nodes: Nodes) -> dict[int, dict[int, bytes]]:
     """Per node (by its leader's position), the buckets its ranks need or its leader reads, by
     their index in ``plan``, each pickled once for every node (so the scatter copies bytes,
-    it does not pickle a bucket per node): one object per distinct set of buckets (the nodes
-    of one pipeline stage and expert-parallel rank share theirs), in one pass over the plan."""
+    it does not pickle a bucket per node; its receivers as runs, :class:`Shipped`): one
+    object per distinct set of buckets (the nodes of one pipeline stage and expert-parallel
+    rank share theirs), in one pass over the plan; and the group's ``nodes``
+    (:data:`NODES`), for the leaders' routes."""
     indices: dict[int, list[int]] = {leader: [] for leader in nodes.leaders}
     reached: dict[int, tuple[int, ...]] = {}  # by the positions' id: one tuple per receiver set
     for index, bucket in enumerate(plan.buckets):
@@ -189,15 +208,24 @@ def node_views(plan: Plan, nodes: Nodes) -> dict[int, dict[int, bytes]]:
         )
         for leader in {*leaders, nodes.leader_of[bucket.reader]}:
             indices[leader].append(index)
-    pickled: dict[int, bytes] = {}
+    compact: dict[int, tuple[int, ...] | None] = {}  # by the positions' id, as ``reached``
+
+    def shipped(bucket: Bucket) -> bytes:
+        key = id(bucket.positions)
+        if key not in compact:
+            its = runs(bucket.positions)
+            compact[key] = its if len(its) < len(bucket.positions) else None
+        return pickle.dumps(Shipped(bucket, compact[key]))
+
+    pickled: dict[int, bytes] = {NODES: pickle.dumps(nodes)}
     views: dict[tuple[int, ...], dict[int, bytes]] = {}
     for its in indices.values():
         key = tuple(its)
         if key not in views:
             views[key] = {
-                i: pickled.get(i) or pickled.setdefault(i, pickle.dumps(plan.buckets[i]))
-                for i in its
+                i: pickled.get(i) or pickled.setdefault(i, shipped(plan.buckets[i])) for i in its
             }
+            views[key][NODES] = pickled[NODES]
     return {leader: views[tuple(its)] for leader, its in indices.items()}
 
 
@@ -216,15 +244,16 @@ def node_plan(outline: Outline, view: dict[int, bytes]) -> Plan:
 def handed_out(
     buckets: Buckets | None,
     group: Sequence[int],
-    nodes: Nodes,
+    nodes: Nodes | None,
     control: Control,
     *,
     timeout_s: float,
-) -> tuple[Plan, Outline]:
+) -> tuple[Plan, Outline, Nodes | None]:
     """This rank's plan in a reader group of several nodes: the reader's (``buckets``, on the
     reader, rank 0), or its node's view of it, handed down the control plane's tree
     (:meth:`~megastart.distributed.Control.scatter`): no other rank plans the group's buckets,
-    and none receives another node's.
+    and none receives another node's. With it the group's nodes (``nodes``, on the reader),
+    on every node leader; ``None`` on the others, which need their own node alone.
 
     :raises megastart.distributed.CollectiveError: when the tree does not carry it within
         ``timeout_s`` (a rank died).
@@ -233,19 +262,23 @@ def handed_out(
 
     values = outline = None
     if buckets is not None:
+        assert nodes is not None
         plan = buckets.plan
         values = {group[p]: view for p, view in node_views(plan, nodes).items()}
         sizes = tuple(b.nbytes for b in plan.buckets)
         outline = Outline(sizes, tuple(b.reader for b in plan.buckets), buckets.readers)
     try:  # the buckets are the parts: one a stage's nodes all need crosses each group once
-        view = control.scatter(values, timeout_s=timeout_s)
+        view = control.scatter(values, timeout_s=timeout_s, private={NODES})
         outline = control.broadcast(outline, timeout_s=timeout_s)
     except Exception as e:
         raise CollectiveError(
             f"{PLUGIN}: handing each node its buckets (rank {dist.get_rank()}): {e}"
         ) from e
     assert outline is not None
-    return (buckets.plan if buckets is not None else node_plan(outline, view)), outline
+    if buckets is not None:
+        return buckets.plan, outline, nodes
+    theirs = view.pop(NODES, None)
+    return node_plan(outline, view), outline, None if theirs is None else pickle.loads(theirs)
 
 
 def announce(

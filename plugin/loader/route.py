@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from megastart.distributed import Board, LocalGroup, OwnGroups
 from megastart.loader.node import NodeBoard
@@ -58,6 +58,17 @@ class Nodes:
         members = tuple(tuple(positions) for positions in by_key.values())
         return cls(members, tuple(leader[key] for key in keys))
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as the runs of consecutive positions on one node, by the node's number (a
+        node's ranks are consecutive where ``LOCAL_RANK`` is set): a few bytes a node, not a
+        rank, for the node leaders that take it (:func:`~megastart.loader.planning.handed_out`)."""
+        number = {leader: i for i, leader in enumerate(self.leaders)}
+        at = self.leader_of
+        runs = [p for p, leader in enumerate(at) if p == 0 or leader != at[p - 1]]
+        owners = tuple(number[at[p]] for p in runs)
+        in_order = owners == tuple(range(len(owners)))  # each node one run: its number is its run's
+        return _from_runs, (len(self.leader_of), tuple(runs), None if in_order else owners)
+
     @property
     def leaders(self) -> tuple[int, ...]:
         return tuple(node[0] for node in self.members)
@@ -66,10 +77,8 @@ class Nodes:
         return next(node for node in self.members if position in node)
 
     def local_buckets(self, position: int, plan: Plan) -> list[int]:
-        """The buckets some rank of ``position``'s node other than its leader needs, in plan
-        order (what the leader announces to its node)."""
-        others = set(self.node_of(position)[1:])
-        return [i for i, bucket in enumerate(plan.buckets) if others.intersection(bucket.positions)]
+        """:func:`local_buckets` of ``position``'s node."""
+        return local_buckets(self.node_of(position), plan)
 
     def leaders_reached(self, positions: Sequence[int]) -> tuple[int, ...]:
         """The leaders of the nodes that hold any of ``positions``, in node order (a node's
@@ -77,13 +86,33 @@ class Nodes:
         return tuple(sorted({self.leader_of[p] for p in positions}))
 
 
+def _from_runs(size: int, runs: tuple[int, ...], owners: tuple[int, ...] | None) -> Nodes:
+    """The :class:`Nodes` of :meth:`Nodes.__reduce__`."""
+    keys = [0] * size
+    for run, (start, stop) in enumerate(zip(runs, (*runs[1:], size), strict=True)):
+        keys[start:stop] = [run if owners is None else owners[run]] * (stop - start)
+    return Nodes.of(keys)
+
+
+def local_buckets(node: Sequence[int], plan: Plan) -> list[int]:
+    """The buckets some rank of ``node`` (its positions, its leader first) other than its
+    leader needs, in plan order (what the leader announces to its node)."""
+    others = set(node[1:])
+    return [i for i, bucket in enumerate(plan.buckets) if others.intersection(bucket.positions)]
+
+
 @dataclass(slots=True)
 class Route:
     """This rank's place in the stream: its reader group, its node, and the channels it is on."""
 
-    group: list[int]
+    group: Sequence[int]
     """Global ranks of the reader group, the reader first."""
-    nodes: Nodes
+    node: tuple[int, ...]
+    """This rank's node: its positions in ``group``, its leader first."""
+    nodes: Nodes | None
+    """Every node of the group, where this rank needs them: on the reader, on a node leader,
+    and in a group of one node (``None``: another rank of a group of several nodes, which
+    needs its own node alone)."""
     position: int
     """This rank's position in ``group``."""
     device: torch.device
@@ -102,10 +131,6 @@ class Route:
     """This rank's node is its reader's and takes its slices out of the page cache."""
     striped: bool = False
     """Every node leader reads a share of the buckets (:mod:`megastart.loader.stripes`)."""
-
-    @property
-    def node(self) -> tuple[int, ...]:
-        return self.nodes.node_of(self.position)
 
     @property
     def leads(self) -> bool:
@@ -129,11 +154,12 @@ class Route:
 
     def leaders_for(self, positions: Sequence[int]) -> tuple[int, ...]:
         """Global ranks of the leaders a bucket for ``positions`` goes to, the reader first."""
+        assert self.nodes is not None, "only the reader and the node leaders send buckets"
         return tuple(self.group[p] for p in self.nodes.leaders_reached(positions))
 
     def local_buckets(self, plan: Plan) -> list[int]:
         """The buckets some rank of this node other than its leader needs, in plan order."""
-        return self.nodes.local_buckets(self.position, plan)
+        return local_buckets(self.node, plan)
 
 
 def leader_sets(
@@ -152,8 +178,9 @@ def leader_sets(
 
 
 def open_route(
-    group: list[int],
-    node_keys: Sequence[object],
+    group: Sequence[int],
+    node: tuple[int, ...],
+    nodes: Nodes | None,
     receiver_sets: Sequence[tuple[int, ...]],
     own: OwnGroups,
     *,
@@ -169,10 +196,12 @@ def open_route(
     over WORLD; this rank's route.
 
     :param group: global ranks of this rank's reader group, the reader first.
-    :param node_keys: the node key of each rank of ``group``, in its order.
+    :param node: this rank's node, its positions in ``group`` ascending.
+    :param nodes: every node of ``group`` (:attr:`Route.nodes`): needed on the reader and
+        on a node leader of a group of several nodes.
     :param receiver_sets: the distinct :attr:`Bucket.positions` of the group's plan.
-    :param page_cache: per rank of ``group``, whether it may take its slices out of the page
-        cache; a reader's node does if all its ranks may (never with striped readers).
+    :param page_cache: per rank of ``node``, whether it may take its slices out of the page
+        cache; the reader's node does if all its ranks may (never with striped readers).
     :param backend: the backend between node leaders.
     :param board: the load's board, which every channel's waits watch (its store holds the
         groups' prefixes).
@@ -183,11 +212,10 @@ def open_route(
     import torch
     import torch.distributed as dist
 
-    nodes = Nodes.of(node_keys)
     position = group.index(dist.get_rank())
-    cached = not striped and all(page_cache[p] for p in nodes.members[0])
     route = Route(
         group,
+        node,
         nodes,
         position,
         device,
@@ -196,19 +224,20 @@ def open_route(
         done=None,
         board=board,
         page=page,
-        page_cache=cached and position in nodes.members[0],
+        page_cache=not striped and node[0] == 0 and all(page_cache),
         striped=striped,
     )
-    mine = tuple(group[p] for p in route.node)
-    if len(nodes.members) > 1 and route.leads:
+    mine = tuple(group[p] for p in node)
+    if len(node) < len(group) and route.leads:  # a leader of one of several nodes
+        assert nodes is not None, "a node leader takes the group's nodes with its buckets"
         wire = device if backend == "nccl" else torch.device("cpu")
         sets = [s for s in leader_sets(group, nodes, receiver_sets) if mine[0] in s]
         between = open_leader_groups(sets, own, board.store, backend=backend)
         route.leaders = Channel(between[sets[0]], group[0], wire, between, board)
     if len(mine) > 1 and not route.page_cache:  # the node's two groups, made by its ranks alone
         sender = "the reader" if mine[0] == group[0] and not striped else "the node leader"
-        node = dist.PrefixStore(f"node/{mine[0]}/", board.store)
-        headers = own.local(dist.PrefixStore("headers/", node), mine)
+        node_store = dist.PrefixStore(f"node/{mine[0]}/", board.store)
+        headers = own.local(dist.PrefixStore("headers/", node_store), mine)
         route.local = Channel(headers, mine[0], torch.device("cpu"), {}, board, sender)
-        route.done = own.local(dist.PrefixStore("done/", node), mine)
+        route.done = own.local(dist.PrefixStore("done/", node_store), mine)
     return route

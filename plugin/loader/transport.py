@@ -73,17 +73,6 @@ class ReaderError(MegastartError, RuntimeError):
     """The reader rank could not read a bucket; raised on every rank of its group."""
 
 
-def reader_groups(reader: str, keys: Sequence[tuple[str, int]]) -> list[list[int]]:
-    """Global ranks of each reader group, the reader first: one group, or one per node
-    (``reader=node``)."""
-    if reader != "node":
-        return [list(range(len(keys)))]
-    by_node: dict[tuple[str, int], list[int]] = {}
-    for rank, key in enumerate(keys):
-        by_node.setdefault(key, []).append(rank)
-    return sorted(by_node.values())
-
-
 def open_leader_groups(
     leader_sets: Sequence[tuple[int, ...]], own: OwnGroups, store: dist.Store, *, backend: str
 ) -> dict[tuple[int, ...], LocalGroup]:

@@ -47,8 +47,9 @@ def exchange(ranks_per_node: int, fanout: int) -> dict[str, Any]:
     """Make a control plane on simulated nodes of ``ranks_per_node`` (through ``LOCAL_RANK``),
     then gather every rank's report, broadcast rank 0's value and scatter rank 0's value for
     each node over it (the last two nodes share one value, which shares a part with node 0's;
-    some reports, and the broadcast values, longer than a collective's inline bytes: those
-    that compress travel in one collective, the random ones in two)."""
+    every value holds a part for node leaders alone; some reports, and the broadcast values,
+    longer than a collective's inline bytes: those that compress travel in one collective,
+    the random ones in two)."""
     import os
     import random
 
@@ -65,8 +66,9 @@ def exchange(ranks_per_node: int, fanout: int) -> dict[str, Any]:
     shared = {-1: b"the last nodes' value", 0: b"node 0"}  # parts: node 0's too
     values = {leader: {leader: f"node {leader}".encode()} for leader in leaders[:-2]}
     values |= {leader: shared for leader in leaders[-2:]}
+    values = {leader: {**value, -2: b"leaders only"} for leader, value in values.items()}
     return {
-        "scattered": control.scatter(values if rank == 0 else None, timeout_s=30.0),
+        "scattered": control.scatter(values if rank == 0 else None, timeout_s=30.0, private={-2}),
         "groups": control.group_ranks,
         "gathered": control.gather({"rank": rank, "text": "x" * rank * 2000}, timeout_s=30.0),
         "up": control.gather_up(
@@ -104,9 +106,13 @@ def test_every_rank_hears_every_report_through_a_tree_of_nodes_and_leaders(six: 
         assert result["random"] == randoms
         assert result["random_broadcast"] == random.Random(0).randbytes(9000)
         assert result["registered"] == 0  # the host's group names and counts are untouched
-    # each node's ranks get their leader's value, the last two nodes the one they share
+    # each node's ranks get their leader's value, the last two nodes the one they share; the
+    # private part reaches the leaders alone
     shared = {-1: b"the last nodes' value", 0: b"node 0"}
-    assert [r["scattered"] for r in results] == [{0: b"node 0"}] * 2 + [shared] * 4
+    private = {-2: b"leaders only"}
+    expected = [{0: b"node 0"}] * 2 + [shared] * 4
+    expected = [v | private if r % 2 == 0 else v for r, v in enumerate(expected)]
+    assert [r["scattered"] for r in results] == expected
 
 
 def up_values(world: int, last_node: int) -> dict[int, dict[str, Any]]:
@@ -141,12 +147,14 @@ def test_reports_go_up_to_rank_0_and_a_rank_keeps_only_its_nodes(six: RankPool) 
 
 def test_a_scatter_down_three_levels_gives_each_node_its_own_value(six: RankPool) -> None:
     """Nodes of one rank, two leaders a group: (0, 1) (2, 3) (4, 5), then (0, 2), then (0, 4);
-    each leader keeps the part of the leaders below it."""
+    each leader keeps the part of the leaders below it; every rank leads its node, and takes
+    the private part too."""
     results = six.run(exchange, 1, 2)
     assert results[0]["groups"] == [(0, 1), (0, 2), (0, 4)]
     shared = {-1: b"the last nodes' value", 0: b"node 0"}
     own = [{r: f"node {r}".encode()} for r in range(4)]
-    assert [r["scattered"] for r in results] == [*own, shared, shared]
+    private = {-2: b"leaders only"}
+    assert [r["scattered"] for r in results] == [v | private for v in [*own, shared, shared]]
 
 
 def summarised_phase(ranks_per_node: int, failing: int | None, summary_fails: bool) -> Any:
@@ -203,7 +211,8 @@ def test_on_one_node_the_tree_is_the_nodes_group(six: RankPool) -> None:
     results = six.run(exchange, 6, 32)
     assert [r["groups"] for r in results] == [[tuple(range(6))]] * 6
     assert all(r["gathered"][5] == {"rank": 5, "text": "x" * 10000} for r in results)
-    assert all(r["scattered"] == {-1: b"the last nodes' value", 0: b"node 0"} for r in results)
+    shared = {-1: b"the last nodes' value", 0: b"node 0"}
+    assert [r["scattered"] for r in results] == [shared | {-2: b"leaders only"}] + [shared] * 5
     assert all(r["up"] == up_values(6, 0) and r["holds_all"] for r in results)  # one node: all
 
 
