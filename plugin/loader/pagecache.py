@@ -49,10 +49,8 @@ if TYPE_CHECKING:
 
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 """``madvise`` advice that faults a range in for reading and waits (Linux 5.14 and later)."""
-_DONTNEED = mmap.MADV_DONTNEED
 FAULT_AROUND = 2 << 20
-"""How far beyond a range its faults may have mapped pages, at most: the kernel's fault-around
-(64 KiB by default) or a large folio of the page cache (2 MiB)."""
+"""How far beyond a range its faults may have mapped pages: fault-around, a large folio (2 MiB)."""
 
 
 @functools.cache
@@ -98,11 +96,13 @@ class FileMappings:
             return data
 
     def in_page_cache(self, file: str, first: int, end: int) -> bool:
-        """Whether bytes ``[first, end)`` of ``file`` are all in the page cache: one ``mincore``
-        over that range alone (over whole files: 4 ms more per rank, warm, 1 GB, TP2 x PP2)."""
-        data = self[file]
+        """Whether bytes ``[first, end)`` of ``file`` are all in the page cache: ``cachestat``
+        (:meth:`Descriptors.in_page_cache`), else one ``mincore`` over that range alone."""
+        found = self.files.in_page_cache(file, first, end)
+        if found is not None:
+            return found
         low = first // mmap.PAGESIZE * mmap.PAGESIZE
-        return resident(data, low, end - low)
+        return resident(self[file], low, end - low)
 
 
 class Window:
@@ -147,14 +147,12 @@ class Window:
         return raw.view(dtype).view(slot.shape)
 
     def release(self) -> None:
-        """Drop the slots' pages from this process's page tables (``MADV_DONTNEED``), keeping
-        the mapping and the page cache: a rank's memory then counts a bucket's pages only
-        while it copies them, not every page it touched in the load. Per file, from the first
-        slot's start to the last one's end, and :data:`FAULT_AROUND` beyond: a fault maps the
-        pages around it too (the other ranks' tensors between and beside this rank's). Best
-        effort: a range the kernel will not drop (a locked one) stays mapped, which costs
-        memory accounting only."""
-        for data, low, high in self._spans():
+        """Drop the slots' pages from this process's page tables (``MADV_DONTNEED``; the mapping
+        and the page cache stay): a rank's memory counts a bucket's pages only while it copies
+        them. Per file, from the first slot's start to the last one's end, and
+        :data:`FAULT_AROUND` beyond (a fault maps the pages around it too). Best effort: a range
+        the kernel will not drop (a locked one) stays mapped, costing memory accounting only."""
+        for _, (data, low, high) in self._spans():
             low = max(0, low - low % FAULT_AROUND - FAULT_AROUND)
             high = min(-(-high // FAULT_AROUND) * FAULT_AROUND + FAULT_AROUND, data.numel())
             drop_pages(data, low, high - low)
@@ -182,11 +180,12 @@ class Window:
 
     def populate(self, reader: TensorReader, pool: Executor, part_bytes: int) -> None:
         """Make every slot's pages resident, parts of ``part_bytes`` on ``pool``'s threads at once,
-        counted as ``reader``'s reads. A read error (an I/O error, a file truncated under the
-        load) raises, naming the tensor. A bucket resident already (a warm load) costs one
-        ``mincore`` per file and no thread (per part: 6 ms more of the reader's CPU, 1 GB)."""
+        counted as ``reader``'s reads; a read error raises, naming the tensor. A bucket resident
+        already (warm) costs one look per file and no thread (per part: 6 ms more CPU, 1 GB)."""
         nbytes = sum(entry.end - entry.start for entry in self.entries.values())
-        if all(resident(data, low, high - low) for data, low, high in self._spans()):
+        if all(
+            self.mappings.in_page_cache(file, low, high) for file, (_, low, high) in self._spans()
+        ):
             reader.count(nbytes)
             return
         reads = [
@@ -198,13 +197,13 @@ class Window:
             read.result()
         reader.count(nbytes)
 
-    def _spans(self) -> Iterable[tuple[torch.Tensor, int, int]]:
+    def _spans(self) -> Iterable[tuple[str, tuple[torch.Tensor, int, int]]]:
         """Per file: its mapping, and the range of it from the slots' first page to their end."""
         spans: dict[str, tuple[torch.Tensor, int, int]] = {}
         for entry, data, first, end in self._pages():
             _, low, high = spans.get(entry.file, (data, first, end))
             spans[entry.file] = data, min(low, first), max(high, end)
-        return spans.values()
+        return spans.items()
 
     def _pages(self) -> Iterator[tuple[TensorEntry, torch.Tensor, int, int]]:
         """Each slot that holds bytes, its file's mapping, and the range of the mapping that
@@ -290,7 +289,8 @@ def drop_pages(data: torch.Tensor, offset: int, length: int) -> None:
     process's page tables (``MADV_DONTNEED``): the mapping and the page cache stay, and a
     page pinned for CUDA stays pinned. Best effort (see :meth:`Window.release`)."""
     length = -(-length // mmap.PAGESIZE) * mmap.PAGESIZE
-    _libc().madvise(ctypes.c_void_p(data.data_ptr() + offset), ctypes.c_size_t(length), _DONTNEED)
+    address, dontneed = ctypes.c_void_p(data.data_ptr() + offset), mmap.MADV_DONTNEED
+    _libc().madvise(address, ctypes.c_size_t(length), dontneed)
 
 
 def residency(data: torch.Tensor, offset: int, length: int) -> bytes:

@@ -170,6 +170,37 @@ def test_a_rank_keeps_few_descriptors_open_for_its_reads(tmp_path: Path) -> None
     assert len(os.listdir("/proc/self/fd")) == before
 
 
+def test_a_rank_tells_resident_ranges_from_dropped_ones(checkpoints: dict[str, Path]) -> None:
+    """``cachestat`` through the rank's descriptors agrees with ``mincore``: a file read whole is
+    resident, one dropped is not, and neither is a range that reaches into a dropped page."""
+    directory = checkpoints["llama-tp2"]
+    meta = read_metadata(directory, allow_pickle=False)
+    kept, dropped = sorted(f.name for f in directory.glob("*.safetensors"))[:2]
+    (directory / kept).read_bytes()
+    drop([directory / dropped])
+    if resident_fraction(directory / dropped) > 0.5:
+        pytest.skip(f"this file system keeps {dropped} cached (POSIX_FADV_DONTNEED ignored)")
+    size = (directory / kept).stat().st_size
+    files = preads.Descriptors(meta)
+    try:
+        found = files.in_page_cache(kept, 0, size)
+        if found is None:
+            pytest.skip("this kernel has no cachestat (the load asks mincore)")
+        assert found and files.in_page_cache(kept, 100, size - 1)
+        assert not files.in_page_cache(dropped, 0, (directory / dropped).stat().st_size)
+        # one page dropped in the middle of a resident file
+        fd = os.open(directory / kept, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 2 * mmap.PAGESIZE, mmap.PAGESIZE, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        assert not files.in_page_cache(kept, 0, size)
+        assert files.in_page_cache(kept, 0, 2 * mmap.PAGESIZE)
+        assert not files.in_page_cache(kept, 2 * mmap.PAGESIZE + 10, 2 * mmap.PAGESIZE + 20)
+    finally:
+        files.close()
+
+
 def fail_to_plan_on(failing: int, checkpoint: str, timeout_s: float) -> tuple[str, float]:
     """Load with ``failing``'s planning raising; the error this rank raised and how long it took."""
     import time
