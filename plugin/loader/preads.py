@@ -14,8 +14,9 @@ The same descriptors tell whether a range is resident (``cachestat``, where the 
 a third of ``mincore``'s CPU, which the reader spent on every bucket of a warm load).
 
 A ``pread`` of a page that is not resident reads it from storage, as a fault would;
-the ranks read only what the reader has said is resident, or what ``mincore`` found
-there, so the reader remains the one that reads the storage. A read error is an
+the ranks read only what the reader has said is resident, or what ``cachestat`` found
+there, and their descriptors read nothing ahead (``POSIX_FADV_RANDOM``), so the reader
+remains the one that reads the storage. A read error is an
 exception in the rank, naming the file (a fault would be a ``SIGBUS``).
 """
 
@@ -149,6 +150,8 @@ class Descriptors:
         if len(self._open) >= OPEN_AT_ONCE:
             os.close(self._open.popitem(last=False)[1])
         fd = self._open[file] = open_shard(self.meta.directory, file, self.meta.shards[file])
+        # no read-ahead from a rank's reads: the reader alone asks the storage for pages
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         return fd
 
 
