@@ -143,6 +143,8 @@ class Descriptors:
                 os.close(self._open.popitem()[1])
 
     def _descriptor(self, file: str) -> int:
+        if self._closed:
+            raise RuntimeError(f"read {file!r} after the load's descriptors were closed")
         fd = self._open.get(file)
         if fd is not None:
             self._open.move_to_end(file)
