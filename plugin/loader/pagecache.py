@@ -1,13 +1,13 @@
-"""The reader's node reads from the page cache: each rank maps its slices of a bucket from the files.
+"""The reader's node reads from the page cache: each rank takes its slices of a bucket from the files.
 
 On the node that holds the checkpoint's reader, a bucket's bytes are already in
 memory the whole node shares once the reader has read them: the page cache.
 Copying them into a shared-memory buffer first and out of it again moves every
-byte twice; here each rank copies its slices straight out of its own
-read-only mapping of the files, the way AReaL's per-rank slices do, and the
-measurements in docs/performance.md (``megastart bench loader``, both page-cache
-states) made this the faster route on that node. Other nodes still receive
-into shared memory (:mod:`megastart.loader.shm`).
+byte twice; here each rank copies its slices straight out of the page cache, the
+way AReaL's per-rank slices do (``megastart bench loader``, docs/performance.md):
+by ``pread`` where a piece allows it (:mod:`megastart.loader.preads`), else out of
+its own read-only mapping of the files. Other nodes still receive into shared
+memory (:mod:`megastart.loader.shm`).
 
 The reader remains the only rank that reads the storage: before it announces
 a bucket it makes the bucket's pages resident (``MADV_POPULATE_READ``, on
@@ -15,12 +15,8 @@ several threads), so the node's ranks find them cached, and a read error is
 the reader's, an exception it announces to every rank, not a ``SIGBUS`` in one
 of them. Each rank maps each file once for the whole load (:class:`FileMappings`:
 a mapping holds no file descriptor, so ``ulimit -n`` bounds nothing here) and
-copies what is resident at once; only the ranges not resident wait for the reader.
-
-How far the reader has read is a word of the node's page
-(:class:`Frontier`), which the node's ranks poll: a gloo header per bucket
-took milliseconds each on a busy node (every rank and the reader wait for each
-other's threads), a fifth of a warm load's time.
+copies what is resident at once; only the ranges not resident wait for the reader,
+whose progress is a word of the node's page (:class:`Frontier`).
 """
 
 from __future__ import annotations
@@ -45,6 +41,7 @@ from megastart.loader.checkpoint import (
     open_shard,
 )
 from megastart.loader.plan import Plan, Slot
+from megastart.loader.preads import Descriptors, source_of
 from megastart.loader.transport import ReaderError
 
 if TYPE_CHECKING:
@@ -52,10 +49,8 @@ if TYPE_CHECKING:
 
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 """``madvise`` advice that faults a range in for reading and waits (Linux 5.14 and later)."""
-_DONTNEED = mmap.MADV_DONTNEED
 FAULT_AROUND = 2 << 20
-"""How far beyond a range its faults may have mapped pages, at most: the kernel's fault-around
-(64 KiB by default) or a large folio of the page cache (2 MiB)."""
+"""How far beyond a range its faults may have mapped pages: fault-around, a large folio (2 MiB)."""
 
 
 @functools.cache
@@ -73,12 +68,19 @@ def supported() -> bool:
 
 class FileMappings:
     """Each of the checkpoint's files mapped whole and read-only, once per rank for the load
-    (on first use, from any thread), unmapped when the last view of it goes."""
+    (on first use, from any thread), unmapped when the last view of it goes; with a few
+    descriptors of them for the copies read rather than mapped (:mod:`megastart.loader.preads`),
+    closed by :meth:`close`."""
 
     def __init__(self, meta: CheckpointMeta) -> None:
         self.meta = meta
         self._maps: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
+        self.files = Descriptors(meta)
+
+    def close(self) -> None:
+        """Close the descriptors (the mappings go with their last view)."""
+        self.files.close()
 
     def __getitem__(self, file: str) -> torch.Tensor:
         """The file's mapping, as bytes."""
@@ -94,12 +96,13 @@ class FileMappings:
             return data
 
     def in_page_cache(self, file: str, first: int, end: int) -> bool:
-        """Whether bytes ``[first, end)`` of ``file`` are all in the page cache: one ``mincore``
-        over that range (a rank asks about its own ranges alone, a quarter of a file at TP2 x
-        PP2: asking once per file about all of it cost a warm load 4 ms per rank at 1 GB)."""
-        data = self[file]
+        """Whether bytes ``[first, end)`` of ``file`` are all in the page cache: ``cachestat``
+        (:meth:`Descriptors.in_page_cache`), else one ``mincore`` over that range alone."""
+        found = self.files.in_page_cache(file, first, end)
+        if found is not None:
+            return found
         low = first // mmap.PAGESIZE * mmap.PAGESIZE
-        return resident(data, low, end - low)
+        return resident(self[file], low, end - low)
 
 
 class Window:
@@ -122,6 +125,14 @@ class Window:
         }
         """Per file: its mapping, as bytes."""
 
+    def read_into(self, target: torch.Tensor, piece: torch.Tensor) -> bool:
+        """``target[...] = piece`` (a view of :meth:`view`) by ``pread`` where it allows it
+        (:func:`~megastart.loader.preads.source_of`); ``False``: copy it."""
+        found = source_of(self._maps, target, piece)
+        if found is not None:
+            self.mappings.files.read(*found, target)
+        return found is not None
+
     def view(self, slot: Slot) -> torch.Tensor:
         """The slot's rows as the file holds them (the checkpoint's dtype), shaped as the slot."""
         import torch
@@ -136,14 +147,12 @@ class Window:
         return raw.view(dtype).view(slot.shape)
 
     def release(self) -> None:
-        """Drop the slots' pages from this process's page tables (``MADV_DONTNEED``), keeping
-        the mapping and the page cache: a rank's memory then counts a bucket's pages only
-        while it copies them, not every page it touched in the load. Per file, from the first
-        slot's start to the last one's end, and :data:`FAULT_AROUND` beyond: a fault maps the
-        pages around it too (the other ranks' tensors between and beside this rank's). Best
-        effort: a range the kernel will not drop (a locked one) stays mapped, which costs
-        memory accounting only."""
-        for data, low, high in self._spans():
+        """Drop the slots' pages from this process's page tables (``MADV_DONTNEED``; the mapping
+        and the page cache stay): a rank's memory counts a bucket's pages only while it copies
+        them. Per file, from the first slot's start to the last one's end, and
+        :data:`FAULT_AROUND` beyond (a fault maps the pages around it too). Best effort: a range
+        the kernel will not drop (a locked one) stays mapped, costing memory accounting only."""
+        for _, (data, low, high) in self._spans():
             low = max(0, low - low % FAULT_AROUND - FAULT_AROUND)
             high = min(-(-high // FAULT_AROUND) * FAULT_AROUND + FAULT_AROUND, data.numel())
             drop_pages(data, low, high - low)
@@ -171,12 +180,12 @@ class Window:
 
     def populate(self, reader: TensorReader, pool: Executor, part_bytes: int) -> None:
         """Make every slot's pages resident, parts of ``part_bytes`` on ``pool``'s threads at once,
-        counted as ``reader``'s reads. A read error (an I/O error, a file truncated under the
-        load) raises, naming the tensor. A bucket resident already (a warm load) costs one
-        ``mincore`` per file and no thread: asked per part, a warm 1 GB load handed 316
-        parts to the threads, 6 ms of the reader's CPU on 2 cores."""
+        counted as ``reader``'s reads; a read error raises, naming the tensor. A bucket resident
+        already (warm) costs one look per file and no thread (per part: 6 ms more CPU, 1 GB)."""
         nbytes = sum(entry.end - entry.start for entry in self.entries.values())
-        if all(resident(data, low, high - low) for data, low, high in self._spans()):
+        if all(
+            self.mappings.in_page_cache(file, low, high) for file, (_, low, high) in self._spans()
+        ):
             reader.count(nbytes)
             return
         reads = [
@@ -188,13 +197,13 @@ class Window:
             read.result()
         reader.count(nbytes)
 
-    def _spans(self) -> Iterable[tuple[torch.Tensor, int, int]]:
+    def _spans(self) -> Iterable[tuple[str, tuple[torch.Tensor, int, int]]]:
         """Per file: its mapping, and the range of it from the slots' first page to their end."""
         spans: dict[str, tuple[torch.Tensor, int, int]] = {}
         for entry, data, first, end in self._pages():
             _, low, high = spans.get(entry.file, (data, first, end))
             spans[entry.file] = data, min(low, first), max(high, end)
-        return spans.values()
+        return spans.items()
 
     def _pages(self) -> Iterator[tuple[TensorEntry, torch.Tensor, int, int]]:
         """Each slot that holds bytes, its file's mapping, and the range of the mapping that
@@ -280,7 +289,8 @@ def drop_pages(data: torch.Tensor, offset: int, length: int) -> None:
     process's page tables (``MADV_DONTNEED``): the mapping and the page cache stay, and a
     page pinned for CUDA stays pinned. Best effort (see :meth:`Window.release`)."""
     length = -(-length // mmap.PAGESIZE) * mmap.PAGESIZE
-    _libc().madvise(ctypes.c_void_p(data.data_ptr() + offset), ctypes.c_size_t(length), _DONTNEED)
+    address, dontneed = ctypes.c_void_p(data.data_ptr() + offset), mmap.MADV_DONTNEED
+    _libc().madvise(address, ctypes.c_size_t(length), dontneed)
 
 
 def residency(data: torch.Tensor, offset: int, length: int) -> bytes:
@@ -296,7 +306,7 @@ def residency(data: torch.Tensor, offset: int, length: int) -> bytes:
 class Frontier:
     """How many of the plan's buckets the reader has read into the page cache, or its error,
     in :data:`NBYTES` of the node's page (:attr:`~megastart.loader.node.NodeBoard.spare`) that
-    the node's ranks poll.
+    the node's ranks poll (a gloo header per bucket took milliseconds each on a busy node).
 
     Only the reader writes it, only after the bucket's pages are resident; what the
     ranks then read is the files', never bytes the reader wrote, so no memory order

