@@ -100,6 +100,47 @@ def load_counting_preads(
         preads.Descriptors.read = original  # type: ignore[method-assign]
 
 
+def test_a_kernel_without_cachestat_asks_mincore_and_loads_bit_exact(
+    rank_pools: dict[int, RankPool], checkpoints: dict[str, Path]
+) -> None:
+    """Where ``cachestat`` is refused (Linux before 6.5, a seccomp filter) the ranks ask
+    ``mincore`` of the same ranges, and a partly resident checkpoint still loads bit-exact."""
+    directory, layout = checkpoints["llama-tp2"], MODELS["llama-tp2"][1]
+    warm = rank_pools[2].run(load_parameters, str(directory), layout, {})
+    files = sorted(directory.glob("*.safetensors"))
+    drop(files[::2])
+    if resident_fraction(files[0]) > 0.5:
+        pytest.skip(f"this file system keeps {files[0]} cached (POSIX_FADV_DONTNEED ignored)")
+    partly = rank_pools[2].run(load_without_cachestat, str(directory), layout)
+    for (_, expected), (_, loaded, asked) in zip(warm, partly, strict=True):
+        assert asked > 0, "no residency was asked of mincore"
+        for name, value in expected.items():
+            assert torch.equal(value, loaded[name]), name
+
+
+def load_without_cachestat(
+    checkpoint: str, layout: dict[str, int]
+) -> tuple[int, dict[str, torch.Tensor], int]:
+    """:func:`load_parameters` as on a kernel that refuses ``cachestat``, and how many times this
+    rank asked ``mincore`` instead."""
+    from megastart.loader import pagecache
+
+    original = pagecache.resident
+    asked = [0]
+
+    def counted(data: torch.Tensor, offset: int, length: int) -> bool:
+        asked[0] += 1
+        return original(data, offset, length)
+
+    preads._no_cachestat.set()
+    pagecache.resident = counted
+    try:
+        return (*load_parameters(checkpoint, layout, {}), asked[0])
+    finally:
+        preads._no_cachestat.clear()
+        pagecache.resident = original
+
+
 @pytest.mark.parametrize("route", ROUTES)
 def test_a_read_error_on_a_range_not_in_the_page_cache_reaches_every_rank(
     rank_pools: dict[int, RankPool], checkpoints: dict[str, Path], route: str
