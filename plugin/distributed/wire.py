@@ -59,23 +59,13 @@ def allgather(group: LocalGroup, payload: bytes, timeout_s: float) -> list[bytes
     :data:`INLINE_BYTES`, then the rest if any is longer."""
     import torch
 
-    heads = [torch.empty(8 + INLINE_BYTES, dtype=torch.uint8) for _ in group.ranks]
-    wait(group, group.all_gather(heads, _head(payload), timeout_s=timeout_s), timeout_s)
-    sizes = [int(head[:8].view(torch.int64)) for head in heads]
-    longest = max(sizes)
-    if longest <= INLINE_BYTES:
-        return [
-            head[8 : 8 + size].numpy().tobytes() for head, size in zip(heads, sizes, strict=True)
-        ]
-    rests = [torch.empty(longest - INLINE_BYTES, dtype=torch.uint8) for _ in group.ranks]
-    mine = torch.zeros(longest - INLINE_BYTES, dtype=torch.uint8)
-    mine[: max(0, len(payload) - INLINE_BYTES)] = _bytes(payload[INLINE_BYTES:])
-    wait(group, group.all_gather(rests, mine, timeout_s=timeout_s), timeout_s)
-    return [
-        head[8 : 8 + min(size, INLINE_BYTES)].numpy().tobytes()
-        + rest[: max(0, size - INLINE_BYTES)].numpy().tobytes()
-        for head, rest, size in zip(heads, rests, sizes, strict=True)
-    ]
+    heads, sizes = _heads(group, payload, timeout_s)
+    rests: list[torch.Tensor] = []
+    if max(sizes) > INLINE_BYTES:
+        mine = _rest(payload, max(sizes))
+        rests = [torch.empty_like(mine) for _ in group.ranks]
+        wait(group, group.all_gather(rests, mine, timeout_s=timeout_s), timeout_s)
+    return _joined(heads, rests, sizes)
 
 
 def gather(group: LocalGroup, payload: bytes, timeout_s: float) -> list[bytes] | None:
@@ -84,19 +74,38 @@ def gather(group: LocalGroup, payload: bytes, timeout_s: float) -> list[bytes] |
     alone, so a rank receives its group's heads, not its payloads."""
     import torch
 
-    heads = [torch.empty(8 + INLINE_BYTES, dtype=torch.uint8) for _ in group.ranks]
-    wait(group, group.all_gather(heads, _head(payload), timeout_s=timeout_s), timeout_s)
-    sizes = [int(head[:8].view(torch.int64)) for head in heads]
-    longest = max(sizes)
-    rests = []
-    if longest > INLINE_BYTES:
-        mine = torch.zeros(longest - INLINE_BYTES, dtype=torch.uint8)
-        mine[: max(0, len(payload) - INLINE_BYTES)] = _bytes(payload[INLINE_BYTES:])
+    heads, sizes = _heads(group, payload, timeout_s)
+    rests: list[torch.Tensor] = []
+    if max(sizes) > INLINE_BYTES:
+        mine = _rest(payload, max(sizes))
         if group.index == 0:
             rests = [torch.empty_like(mine) for _ in group.ranks]
         wait(group, group.gather(rests, mine, timeout_s=timeout_s), timeout_s)
-    if group.index != 0:
-        return None
+    return _joined(heads, rests, sizes) if group.index == 0 else None
+
+
+def _heads(
+    group: LocalGroup, payload: bytes, timeout_s: float
+) -> tuple[list[torch.Tensor], list[int]]:
+    """Every rank of ``group``'s head (:func:`_head`), on every rank, and the sizes they give."""
+    import torch
+
+    heads = [torch.empty(8 + INLINE_BYTES, dtype=torch.uint8) for _ in group.ranks]
+    wait(group, group.all_gather(heads, _head(payload), timeout_s=timeout_s), timeout_s)
+    return heads, [int(head[:8].view(torch.int64)) for head in heads]
+
+
+def _rest(payload: bytes, longest: int) -> torch.Tensor:
+    """``payload`` beyond its first :data:`INLINE_BYTES`, zero-padded to the ``longest``'s rest."""
+    import torch
+
+    rest = torch.zeros(longest - INLINE_BYTES, dtype=torch.uint8)
+    rest[: max(0, len(payload) - INLINE_BYTES)] = _bytes(payload[INLINE_BYTES:])
+    return rest
+
+
+def _joined(heads: list[torch.Tensor], rests: list[torch.Tensor], sizes: list[int]) -> list[bytes]:
+    """Each payload from its head and, where it is longer than :data:`INLINE_BYTES`, its rest."""
     return [
         head[8 : 8 + min(size, INLINE_BYTES)].numpy().tobytes()
         + (rests[i][: size - INLINE_BYTES].numpy().tobytes() if size > INLINE_BYTES else b"")
