@@ -294,12 +294,11 @@ def _load(
     left_by_all = summary.left_to_host
     known = table
 
-    def plan_here() -> tuple[Plan, tuple[int, ...], int, str, Nodes | None]:
-        """This rank's plan, its group's reader ranks, the checkpoint tensors some rank takes,
-        the transport's backend, and the group's nodes where this rank needs them: planned
-        here, or, in a group of several nodes, by its reader alone and handed down to each
-        node."""
-        backend = transport_backend(settings.transport, set(summary.devices))
+    def plan_here() -> tuple[Plan, tuple[int, ...], str, Nodes | None]:
+        """This rank's plan, its group's reader ranks, the transport's backend, and the group's
+        nodes where this rank needs them: planned here, or, in a group of several nodes, by
+        its reader alone and handed down to each node."""
+        backend = transport_backend(settings.transport, summary.devices)
         buckets = nodes = None
         if not handed or rank == group[0]:  # its reports: its node's, or every rank's on rank 0
             nodes = Nodes.of([held[r].node for r in group])
@@ -327,7 +326,7 @@ def _load(
             announce(
                 buckets, left_by_all, checkpoint, known, striped=striped, value_model=value_model
             )
-        return plan, readers, summary.tensors, backend, nodes
+        return plan, readers, backend, nodes
 
     cached = settings.reader_node == "page_cache" and meta.format == "safetensors"
     page_cache = [cached and held[r].page_cache for r in here]
@@ -344,7 +343,7 @@ def _load(
         phase(f"{PLUGIN}: streaming {checkpoint!r} and verifying the coverage") as loaded,
         node_board(board, here, nodes=summary.nodes) as page,
     ):
-        plan, readers, demanded, backend, nodes = ahead or plan_here()
+        plan, readers, backend, nodes = ahead or plan_here()
         route = open_route(
             group,
             node,
@@ -376,7 +375,7 @@ def _load(
         bytes_broadcast=sum(m.bytes_broadcast for m in moved),
         seconds=time.perf_counter() - start,
         reader_ranks=readers,
-        tensors=demanded,
+        tensors=summary.tensors,
         left_to_host=left_by_all,
     )
 

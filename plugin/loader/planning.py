@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import pickle
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -330,7 +331,7 @@ def known_table(meta: CheckpointMeta) -> MappingTable:
         return MappingTable(meta.architectures, ())
 
 
-def transport_backend(transport: str, device_types: set[str]) -> str:
+def transport_backend(transport: str, device_types: AbstractSet[str]) -> str:
     """The backend the buckets cross nodes on, for the ``transport`` setting."""
     if transport == "auto":
         return "nccl" if device_types == {"cuda"} else "gloo"
