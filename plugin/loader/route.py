@@ -76,10 +76,6 @@ class Nodes:
     def node_of(self, position: int) -> tuple[int, ...]:
         return next(node for node in self.members if position in node)
 
-    def local_buckets(self, position: int, plan: Plan) -> list[int]:
-        """:func:`local_buckets` of ``position``'s node."""
-        return local_buckets(self.node_of(position), plan)
-
     def leaders_reached(self, positions: Sequence[int]) -> tuple[int, ...]:
         """The leaders of the nodes that hold any of ``positions``, in node order (a node's
         leader is its first position, and the nodes go in the order of their first)."""
