@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
 
 def collect(checkpoint: str | None = None) -> dict[str, Any]:
     """The report as plain data (the ``--json`` output)."""
-    from megastart.loader.mappings import known_architectures
+    from megastart.loader.mapping.mappings import known_architectures
 
     report: dict[str, Any] = {
         "built_in": known_architectures(),
@@ -69,7 +69,7 @@ def megatron_bridge_architectures(hf_config: Any = None) -> dict[str, Any]:
 
 def verdict(bridge: Any) -> dict[str, str]:
     """``{"bridge", "served": "yes" | "no" | "at load time", "why"}`` for one model bridge."""
-    from megastart.loader.bridge import Untranslatable, bridge_table
+    from megastart.loader.mapping.bridge import Untranslatable, bridge_table
 
     kind = type(bridge).__name__
     try:
@@ -88,7 +88,7 @@ def verdict(bridge: Any) -> dict[str, str]:
 def predict(checkpoint: str) -> dict[str, Any]:
     """What rank0_loader would do with ``checkpoint`` on each load path."""
     from megastart.loader.checkpoint import read_metadata
-    from megastart.loader.model import UnsupportedArchitecture, mapping_table
+    from megastart.loader.mapping.model import UnsupportedArchitecture, mapping_table
 
     meta = read_metadata(checkpoint, allow_pickle=True)
     out: dict[str, Any] = {"directory": meta.directory, "architectures": list(meta.architectures)}
@@ -104,7 +104,7 @@ def predict(checkpoint: str) -> dict[str, Any]:
             f"{quantisation.method} ({quantisation.evidence}): dequantised by megastart"
         )
     elif quantisation.packing:
-        from megastart.loader.bridge import PACKED_HOOKS
+        from megastart.loader.mapping.bridge import PACKED_HOOKS
 
         bridge = PACKED_HOOKS[quantisation.packing].partition(".")[0]
         out["quantisation"] = (

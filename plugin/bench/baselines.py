@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 
     from megastart.bench.limits import ReadCap
     from megastart.loader.checkpoint import CheckpointMeta
-    from megastart.loader.needs import Need
-    from megastart.loader.transforms import Piece, Shard
+    from megastart.loader.mapping.needs import Need
+    from megastart.loader.mapping.transforms import Piece, Shard
 
 
 def every_rank_full(chunks: list[Any], meta: CheckpointMeta, cap: ReadCap | None) -> int:
@@ -180,7 +180,7 @@ def _read_full_tensors(
 
 
 def _pieces(need: Need, inputs: list[Any], shard: Shard) -> Iterator[Piece]:
-    from megastart.loader.transforms import TRANSFORMS
+    from megastart.loader.mapping.transforms import TRANSFORMS
 
     return TRANSFORMS[need.transform].pieces(inputs, need.param.shape, shard)
 
@@ -222,7 +222,7 @@ def _with_tp_rank(shard: Shard, tp_rank: int) -> Shard:
 
 def _needs_by_chunk(chunks: list[Any], meta: CheckpointMeta) -> list[tuple[list[Need], Shard]]:
     """This rank's needs per chunk, resolved exactly as megastart's loader resolves them."""
-    from megastart.loader.model import local_needs
+    from megastart.loader.mapping.model import local_needs
 
     _, _, shard, needs = local_needs(chunks, meta)
     return [([n for n in needs if n.param.chunk == i], shard) for i in range(len(chunks))]

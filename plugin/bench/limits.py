@@ -164,8 +164,8 @@ class ReadCap:
 def megastart_reads_capped(cap: ReadCap | None) -> Iterator[None]:
     """megastart's two reads of the storage (into a buffer, into the page cache) charged to
     ``cap`` while in the block (nothing with ``None``)."""
-    from megastart.loader import pagecache
     from megastart.loader.checkpoint import reader
+    from megastart.loader.stream import pagecache
 
     if cap is None:
         yield

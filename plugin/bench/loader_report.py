@@ -162,7 +162,7 @@ def render(run: ConditionResult) -> str:
 
 def staging_text(run: ConditionResult) -> str:
     """megastart's page-locked staging per rank and on the node, as this run's layout sizes it."""
-    from megastart.loader.staging import CHUNK_BYTES, chunk_count, copy_threads
+    from megastart.loader.stream.staging import CHUNK_BYTES, chunk_count, copy_threads
 
     per_rank = chunk_count(copy_threads(run.ranks_per_node)) * CHUNK_BYTES
     return (

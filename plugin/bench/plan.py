@@ -188,11 +188,11 @@ def _best(repeats: int, work: Any) -> float:
 
 
 def _plan(meta: Any, params: list[Any], layout: Layout, bridge: Any, args: Any) -> None:
-    from megastart.loader.archs.table import MappingTable
-    from megastart.loader.bridge import bridge_table
-    from megastart.loader.mappings import mapping_for
-    from megastart.loader.needs import resolve_needs
-    from megastart.loader.plan import build_plan
+    from megastart.loader.mapping.archs.table import MappingTable
+    from megastart.loader.mapping.bridge import bridge_table
+    from megastart.loader.mapping.mappings import mapping_for
+    from megastart.loader.mapping.needs import resolve_needs
+    from megastart.loader.plan.buckets import build_plan
 
     table: MappingTable | None = mapping_for(meta.architectures[0])
     if bridge is not None:

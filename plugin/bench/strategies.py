@@ -1,8 +1,8 @@
 """The loading strategies the benchmark compares, as rank functions for a RankPool.
 
 Every strategy converts HF tensors to Megatron shards with megastart's own
-mapping tables and transforms (:mod:`megastart.loader.mappings`,
-:mod:`megastart.loader.transforms`), so all of them write the same values;
+mapping tables and transforms (:mod:`megastart.loader.mapping.mappings`,
+:mod:`megastart.loader.mapping.transforms`), so all of them write the same values;
 only how the bytes get from the files to the ranks differs (the baselines:
 :mod:`megastart.bench.baselines`):
 

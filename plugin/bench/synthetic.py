@@ -80,8 +80,8 @@ def world_demands(config: dict[str, Any], meta: Any, layout: Any, world: int) ->
     """Every rank's demands, in Megatron's rank order (TP fastest, then data/expert parallel,
     then pipeline): rank ``r`` of stage ``r // (world / pp)`` and expert-parallel rank
     ``(r // tp) % ep``."""
-    from megastart.loader.mappings import mapping_for
-    from megastart.loader.needs import resolve_needs
+    from megastart.loader.mapping.mappings import mapping_for
+    from megastart.loader.mapping.needs import resolve_needs
 
     table = mapping_for(meta.architectures[0])
     assert table is not None
@@ -100,8 +100,8 @@ def world_demands(config: dict[str, Any], meta: Any, layout: Any, world: int) ->
 
 
 def layout_shard(config: dict[str, Any], layout: Layout) -> Any:
-    """Tensor-parallel rank 0's :class:`~megastart.loader.transforms.Shard` of ``layout``."""
-    from megastart.loader.transforms import Shard
+    """Tensor-parallel rank 0's :class:`~megastart.loader.mapping.transforms.Shard` of ``layout``."""
+    from megastart.loader.mapping.transforms import Shard
 
     heads = config["num_attention_heads"]
     return Shard(
@@ -216,7 +216,7 @@ def rank_parameters(
     """The parameters of a rank of pipeline stage ``stage`` and expert-parallel rank
     ``expert_rank`` for ``layout``, with canonical names and local shapes: the embedding on
     the first stage, the final norm and head on the last."""
-    from megastart.loader.needs import ParamInfo
+    from megastart.loader.mapping.needs import ParamInfo
 
     h, tp = config["hidden_size"], layout.tp
     layers = config["num_hidden_layers"]
@@ -290,6 +290,6 @@ def _qk_norm(config: dict[str, Any]) -> bool:
 
 def expert_count(config: dict[str, Any]) -> int:
     """Routed experts per MoE layer, in each family's spelling (0: dense)."""
-    from megastart.loader.experts import EXPERT_COUNT_KEYS
+    from megastart.loader.mapping.experts import EXPERT_COUNT_KEYS
 
     return int(next((config[k] for k in EXPERT_COUNT_KEYS if config.get(k)), 0))

@@ -51,10 +51,10 @@ def measure_world(
     ``store_rps``) and the world's size (``demands_mb``: every rank's report, as pickled, what
     an all-gather would hand every rank).
 
-    :param demands_by_rank: every rank's demands (:meth:`~megastart.loader.needs.Need.demands`).
+    :param demands_by_rank: every rank's demands (:meth:`~megastart.loader.mapping.needs.Need.demands`).
     """
     from megastart.distributed import tree_levels
-    from megastart.loader.route import Nodes
+    from megastart.loader.plan.nodes import Nodes
 
     world = len(demands_by_rank)
     keys = [("node", r - r % ranks_per_node) for r in range(world)]
@@ -108,11 +108,11 @@ def shared_reports(
 ) -> list[bytes]:
     """Each rank's report of the planning phase's mapping, pickled as it goes up the control
     plane (:func:`~megastart.distributed.all_or_none`'s report of a
-    :class:`~megastart.loader.planning.RankDemands`; a node's replicas the same bytes)."""
+    :class:`~megastart.loader.plan.planning.RankDemands`; a node's replicas the same bytes)."""
     import dataclasses
 
-    from megastart.loader.plan import packed
-    from megastart.loader.planning import RankDemands
+    from megastart.loader.plan.buckets import packed
+    from megastart.loader.plan.planning import RankDemands
     from megastart.loader.settings import Rank0LoaderSettings
 
     packs = {id(d): packed(d, meta) for d in demands_by_rank}
@@ -163,17 +163,18 @@ def _planning(
     """What ``load_hf_checkpoint`` computes on ``rank`` between the planning phase's reports
     and the stream's first byte (``reader=global``, as today's default), and the bytes it
     receives down the tree: the reader unpickles every distinct report, summarises them
-    (:class:`~megastart.loader.planning.WorldDemands`), plans the buckets and cuts each
+    (:class:`~megastart.loader.plan.planning.WorldDemands`), plans the buckets and cuts each
     node's view of them; another rank unpickles its node's reports, the summary and its
     node's view as the control plane hands them down
-    (:func:`~megastart.loader.planning.handed_out`: a leader's with the group's nodes, a
+    (:func:`~megastart.loader.plan.planning.handed_out`: a leader's with the group's nodes, a
     member's without)."""
     from megastart.distributed.control import scatter_parts
     from megastart.distributed.wire import INLINE_BYTES
-    from megastart.loader.mappings import mapping_for
-    from megastart.loader.plan import build_plan
-    from megastart.loader.planning import NODES, Outline, WorldDemands, node_plan, node_views
-    from megastart.loader.route import Nodes, leader_sets, local_buckets
+    from megastart.loader.mapping.mappings import mapping_for
+    from megastart.loader.plan.buckets import build_plan
+    from megastart.loader.plan.nodes import Nodes, local_buckets
+    from megastart.loader.plan.planning import NODES, Outline, WorldDemands, node_plan, node_views
+    from megastart.loader.stream.route import leader_sets
 
     table = mapping_for(meta.architectures[0])
     nodes = Nodes.of(keys)
@@ -265,8 +266,8 @@ def store_requests_per_second(
 
     from megastart.distributed import Board
     from megastart.distributed.polling import SETTLE_S
-    from megastart.loader.node import NodeBoard
-    from megastart.loader.shm import Segment
+    from megastart.loader.stream.node import NodeBoard
+    from megastart.loader.stream.shm import Segment
 
     started_here = not dist.is_initialized()
     if started_here:

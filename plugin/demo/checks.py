@@ -93,7 +93,7 @@ def check_architecture(config: Mapping[str, Any], checkpoint: str, *, loader_ena
             "(MEGASTART_BLOCKLIST / MEGASTART_DISABLE / megastart.enabled), and the demo host has "
             "no loader of its own; unset them to run the demo"
         )
-    from megastart.loader.mappings import known_architectures, mapping_for
+    from megastart.loader.mapping.mappings import known_architectures, mapping_for
 
     architectures = list(config.get("architectures") or [])
     if not any(arch in known_architectures() for arch in architectures) and any(

@@ -8,7 +8,7 @@ from typing import Protocol
 
 class Node(Protocol):
     """What the ranks of one node share about a call without the store: a page of node-shared
-    memory (``megastart.loader.node.NodeBoard``), the leader its only writer but for the
+    memory (``megastart.loader.stream.node.NodeBoard``), the leader its only writer but for the
     failure flag and each rank's own arrivals. See :meth:`~megastart.distributed.Board.attach`."""
 
     @property

@@ -3,9 +3,9 @@
 1. metadata: rank 0 reads ``config.json`` and the safetensors headers, broadcasts them;
 2. plan: every rank maps its parameters to HF tensors and checks shapes; the
    demands go up the control plane's tree to rank 0, which sends every rank a
-   summary of them (:class:`~megastart.loader.planning.Summary`), and the reader
+   summary of them (:class:`~megastart.loader.plan.planning.Summary`), and the reader
    plans the buckets; on several nodes each node takes its view of them from the
-   reader, down the tree (:func:`~megastart.loader.planning.handed_out`);
+   reader, down the tree (:func:`~megastart.loader.plan.planning.handed_out`);
 3. stream: each reader reads its group's buckets once; each crosses to every
    other node that needs it once, and every rank copies its shards out of the
    page cache (the reader's node) or its node's shared memory;
@@ -46,20 +46,18 @@ from megastart.distributed import (
 )
 from megastart.distributed.sticky import LATCH
 from megastart.distributed.world import training_device
-from megastart.loader import pagecache, roles
-from megastart.loader.bridge import Untranslatable, dequantises
 from megastart.loader.checkpoint import (
     CheckpointMeta,
     QuantisedCheckpoint,
     as_seen_here,
     read_metadata,
 )
-from megastart.loader.copier import Copier
-from megastart.loader.model import UnsupportedArchitecture, local_needs, mapping_table
-from megastart.loader.needs import left_to_host
-from megastart.loader.node import node_board
-from megastart.loader.plan import Plan, packed
-from megastart.loader.planning import (
+from megastart.loader.mapping.bridge import Untranslatable, dequantises
+from megastart.loader.mapping.model import UnsupportedArchitecture, local_needs, mapping_table
+from megastart.loader.mapping.needs import left_to_host
+from megastart.loader.plan.buckets import Plan, packed
+from megastart.loader.plan.nodes import Nodes
+from megastart.loader.plan.planning import (
     RankDemands,
     Summary,
     WorldDemands,
@@ -69,11 +67,14 @@ from megastart.loader.planning import (
     plan_buckets,
     transport_backend,
 )
-from megastart.loader.route import Nodes, open_route
+from megastart.loader.plan.verify import Coverage
 from megastart.loader.settings import PLUGIN, Rank0LoaderSettings, resolved
-from megastart.loader.staging import copy_threads
-from megastart.loader.stream import Stream
-from megastart.loader.verify import Coverage
+from megastart.loader.stream import pagecache, roles
+from megastart.loader.stream.copier import Copier
+from megastart.loader.stream.node import node_board
+from megastart.loader.stream.route import open_route
+from megastart.loader.stream.staging import copy_threads
+from megastart.loader.stream.stream import Stream
 from megastart.records import LoadReport
 
 if TYPE_CHECKING:
@@ -153,7 +154,7 @@ def load_hf_checkpoint(
         left as the host initialised it and named in the report's ``left_to_host``.
     :param bridge: the host's Megatron-Bridge bridge (``AutoBridge`` or a model bridge)
         whose ``load_hf_weights`` this load replaces: its ``mapping_registry()`` decides
-        which tensors fill which parameter (:mod:`megastart.loader.bridge`), and what it
+        which tensors fill which parameter (:mod:`megastart.loader.mapping.bridge`), and what it
         leaves alone stays as the host initialised it.
     :returns: what was read and sent, and how long it took (same figures on every rank).
     :raises megastart.distributed.CollectiveError: on every rank, when any rank

@@ -19,7 +19,7 @@ class Rank0LoaderSettings:
     """``global``: global rank 0 reads, the checkpoint is read once per job;
     ``node``: local rank 0 of each node reads for its node (the checkpoint once per node);
     ``striped``: every node leader reads a share of the buckets, each bucket once per job,
-    and sends it to the other nodes that need it (:mod:`megastart.loader.stripes`): the
+    and sends it to the other nodes that need it (:mod:`megastart.loader.plan.stripes`): the
     job's cold read bandwidth is the sum of its readers' storage clients (every node must
     see the checkpoint at the same path);
     ``auto``: ``striped`` when the job spans several nodes, else ``global``. On one node
@@ -41,7 +41,7 @@ class Rank0LoaderSettings:
 
     cuda_copy: Literal["registered", "staged"] = "staged"
     """How a rank of the reader's node copies from the page cache into CUDA parameters
-    (:mod:`megastart.loader.copier`): ``registered``, straight out of the page cache, its
+    (:mod:`megastart.loader.stream.copier`): ``registered``, straight out of the page cache, its
     blocks registered with CUDA (read-only) on a thread of their own while the copies run,
     and what is not registered yet through page-locked staging; ``staged``, all through
     page-locked staging chunks filled on the rank's share of the node's cores. A driver
@@ -54,7 +54,7 @@ class Rank0LoaderSettings:
     that travels as row blocks in several buckets). Transient memory is about three
     buckets of shared memory per node, whatever the largest tensor, and with CUDA
     parameters two 4 MiB page-locked staging chunks per copy thread of each rank, at most
-    64 MiB (:mod:`megastart.loader.staging`). 32: on
+    64 MiB (:mod:`megastart.loader.stream.staging`). 32: on
     ``megastart bench loader`` (1 GB Qwen2, TP2 x PP2, gloo) it loaded faster than
     64 or 256 when buckets travelled by broadcast (smaller messages let the read of
     the next bucket and the broadcast tree's hops overlap sooner); three 32 MiB

@@ -125,3 +125,46 @@ def _parents(name: str) -> set[str]:
     package's ``__init__`` first either way)."""
     parts = name.split(".")
     return {".".join(parts[:i]) for i in range(1, len(parts))}
+
+
+LOADER_LAYERS = ("settings", "checkpoint", "mapping", "plan", "stream", "api")
+"""The loader's layers, bottom first (``megastart.loader``'s docstring): a module may import
+its own layer's modules and those below it, never one above."""
+
+LOADER_UPWARD_ALLOWED = {
+    ("megastart.loader.checkpoint.meta", "megastart.loader.mapping.mappings"): (
+        "a config.json with no 'architectures' and no transformers installed: the built-in "
+        "tables are the only place that knows which architecture a model_type names"
+    ),
+}
+"""The one import that runs up, and why (at call time, inside the function that needs it)."""
+
+
+def _loader_layer(name: str) -> int | None:
+    parts = name.split(".")
+    if parts[:2] != ["megastart", "loader"] or len(parts) < 3:
+        return None
+    return LOADER_LAYERS.index(parts[2])
+
+
+def test_loader_imports_run_down_its_phases() -> None:
+    """api -> stream -> plan -> mapping -> checkpoint -> settings: a phase that imports the one
+    above it can no longer be read, tested or replaced on its own."""
+    upward = [
+        (name, target)
+        for name, targets in graph().items()
+        for target in targets
+        if (mine := _loader_layer(name)) is not None
+        and (theirs := _loader_layer(target)) is not None
+        and theirs > mine
+        and (name, target) not in LOADER_UPWARD_ALLOWED
+    ]
+    assert upward == []
+
+
+def test_every_loader_module_is_in_a_layer() -> None:
+    """A new module or folder under ``megastart.loader`` goes into one of the layers (and its
+    folder into pyproject.toml's packages), not beside them."""
+    for name in modules():
+        if name.startswith("megastart.loader."):
+            assert name.split(".")[2] in LOADER_LAYERS, name

@@ -137,7 +137,7 @@ def test_model_type_table_agrees_with_transformers_auto_classes() -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from megastart.harness.checkpoints import ARCHITECTURES
-    from megastart.loader.mappings import architecture_for_model_type
+    from megastart.loader.mapping.mappings import architecture_for_model_type
 
     for model_type, architecture in ARCHITECTURES.items():
         assert architecture_for_model_type(model_type) == architecture

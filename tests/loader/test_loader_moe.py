@@ -27,11 +27,11 @@ from support.loader_ranks import (
 
 from megastart.errors import PlanError
 from megastart.loader.checkpoint import CheckpointMeta, read_metadata
-from megastart.loader.experts import global_expert_name
-from megastart.loader.mappings import mapping_for
-from megastart.loader.needs import ParamInfo, resolve_needs
-from megastart.loader.stream import BUFFERS
-from megastart.loader.transforms import Shard
+from megastart.loader.mapping.experts import global_expert_name
+from megastart.loader.mapping.mappings import mapping_for
+from megastart.loader.mapping.needs import ParamInfo, resolve_needs
+from megastart.loader.mapping.transforms import Shard
+from megastart.loader.stream.stream import BUFFERS
 
 LAYOUTS: dict[str, tuple[int, dict[str, int]]] = {
     "ep2": (2, {"ep": 2}),

@@ -17,8 +17,8 @@ from support.loader_ranks import load_expecting_error, load_parameters
 
 from megastart.bench.limits import drop_from_page_cache
 from megastart.harness.launch import RankPool
-from megastart.loader import preads
 from megastart.loader.checkpoint import read_metadata
+from megastart.loader.stream import preads
 
 ROUTES = ("page_cache", "shared_memory")
 MODELS = {"llama-tp2": ("llama", {"tp": 2}), "qwen3_moe-ep2": ("qwen3_moe", {"ep": 2})}
@@ -123,7 +123,7 @@ def load_without_cachestat(
 ) -> tuple[int, dict[str, torch.Tensor], int]:
     """:func:`load_parameters` as on a kernel that refuses ``cachestat``, and how many times this
     rank asked ``mincore`` instead."""
-    from megastart.loader import pagecache
+    from megastart.loader.stream import pagecache
 
     original = pagecache.resident
     asked = [0]

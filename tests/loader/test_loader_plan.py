@@ -11,17 +11,23 @@ from support.pyrun import run_python
 
 from megastart.errors import PlanError
 from megastart.loader.checkpoint import CheckpointMeta, TensorEntry
-from megastart.loader.mappings import QWEN3, mapping_for
-from megastart.loader.needs import Need, ParamInfo, check_config, left_to_host, resolve_needs
-from megastart.loader.plan import (
+from megastart.loader.mapping.mappings import QWEN3, mapping_for
+from megastart.loader.mapping.needs import (
+    Need,
+    ParamInfo,
+    check_config,
+    left_to_host,
+    resolve_needs,
+)
+from megastart.loader.mapping.transforms import TRANSFORMS, Shard
+from megastart.loader.plan.buckets import (
     Plan,
     build_plan,
     demands_once,
     packed,
     unused_tensors,
 )
-from megastart.loader.transforms import TRANSFORMS, Shard
-from megastart.loader.verify import Coverage
+from megastart.loader.plan.verify import Coverage
 
 HIDDEN, HEADS, GROUPS, HEAD_DIM, FFN, VOCAB, LAYERS = 64, 8, 4, 16, 96, 300, 2
 
@@ -358,14 +364,14 @@ def test_mapping_tables_register_through_entry_points(tmp_path: Path) -> None:
     (site / "toy_mapping.py").write_text(
         textwrap.dedent(
             """
-            from megastart.loader.mappings import DENSE_DECODER_RULES, MappingTable
+            from megastart.loader.mapping.mappings import DENSE_DECODER_RULES, MappingTable
             TABLE = MappingTable(("ToyForCausalLM",), DENSE_DECODER_RULES)
             """
         )
     )
     proc = run_python(
         """
-        from megastart.loader.mappings import mapping_for
+        from megastart.loader.mapping.mappings import mapping_for
         print(mapping_for("ToyForCausalLM").architectures, mapping_for("LlamaForCausalLM") is not None)
         """,
         env={"PYTHONPATH": str(site)},

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from megastart.loader.progress import Progress
+from megastart.loader.stream.progress import Progress
 
 
 class Terminal(io.StringIO):

@@ -22,7 +22,7 @@ from support.loader_ranks import load_as_nodes, load_seeing_shared_segments
 
 from megastart.distributed import PEER_GRACE_S
 from megastart.harness.launch import RankFailure, RankPool
-from megastart.loader.shm import PREFIX, SHM_DIR, creator
+from megastart.loader.stream.shm import PREFIX, SHM_DIR, creator
 
 TP2_PP2 = {"tp": 2, "pp": 2}
 ROUTES = ("page_cache", "shared_memory")
@@ -220,7 +220,7 @@ while True:  # pids count up from 1 in a new namespace: fork until the child is 
     pid = os.fork()
     if pid == 0:
         if os.getpid() == target:
-            from megastart.loader.shm import Segment
+            from megastart.loader.stream.shm import Segment
             print(Segment.create(4096).name, flush=True)
             time.sleep(60)
         os._exit(0)
@@ -234,7 +234,7 @@ while True:  # pids count up from 1 in a new namespace: fork until the child is 
 def test_a_live_segment_of_another_pid_namespace_survives_a_sweep_here() -> None:
     """Containers sharing ``/dev/shm`` (``--ipc=host``) each have their own PID namespace: a
     live leader's segment there, whose pid is no live process here, is not swept here."""
-    from megastart.loader.shm import sweep_stale
+    from megastart.loader.stream.shm import sweep_stale
 
     if subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True).returncode:
         pytest.skip("this machine does not allow a new PID namespace (unshare)")

@@ -24,16 +24,16 @@ import pytest
 import torch
 
 from megastart.loader.checkpoint import read_metadata
-from megastart.loader.pagecache import FileMappings, resident
-from megastart.loader.plan import build_plan
-from megastart.loader.registration import (
+from megastart.loader.plan.buckets import build_plan
+from megastart.loader.stream.pagecache import FileMappings, resident
+from megastart.loader.stream.registration import (
     BLOCK_BYTES,
     LEAD_BLOCKS,
     Block,
     Registrations,
     blocks_in_order,
 )
-from megastart.loader.staging import Ring, chunk_count, copy_threads
+from megastart.loader.stream.staging import Ring, chunk_count, copy_threads
 
 
 def ring(chunk_bytes: int, chunks: int, pool: Any, sent: list[int]) -> Ring:
@@ -194,7 +194,7 @@ def rss_file_kb() -> int:
 
 
 def test_dropped_pages_leave_the_process_and_stay_readable(tmp_path: Path) -> None:
-    from megastart.loader.pagecache import drop_pages, map_file
+    from megastart.loader.stream.pagecache import drop_pages, map_file
 
     path = tmp_path / "shard.bin"
     expected = torch.randint(0, 255, (32 << 20,), dtype=torch.uint8)
@@ -287,7 +287,7 @@ def test_a_shared_segment_is_page_locked_through_the_ranks_driver_off_the_caller
     """The node's shared buckets register with CUDA where the staging ring and the page cache
     do (the rank's driver), on a thread of their own: a refused call's CUDA error is not left
     on the caller's thread, where torch would raise it at its next kernel launch."""
-    from megastart.loader.shm import Segment
+    from megastart.loader.stream.shm import Segment
 
     driver = ThreadRecorder()
     segment = Segment.create(3 * mmap.PAGESIZE)
@@ -304,7 +304,7 @@ def test_a_shared_segment_is_page_locked_through_the_ranks_driver_off_the_caller
 
 
 def test_a_refused_page_lock_of_a_shared_segment_names_the_fix() -> None:
-    from megastart.loader.shm import Segment
+    from megastart.loader.stream.shm import Segment
 
     segment = Segment.create(mmap.PAGESIZE)
     try:

@@ -131,9 +131,9 @@ def test_a_striped_plan_of_8192_ranks_reads_each_bucket_once_on_a_node_that_need
     from collections import Counter
 
     from megastart.bench.synthetic import MODELS, Layout, synthetic_checkpoint, world_demands
-    from megastart.loader.plan import build_plan
-    from megastart.loader.route import Nodes
-    from megastart.loader.stripes import stripe
+    from megastart.loader.plan.buckets import build_plan
+    from megastart.loader.plan.nodes import Nodes
+    from megastart.loader.plan.stripes import stripe
 
     config = MODELS["qwen3-235b-a22b"]
     meta = synthetic_checkpoint(config)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from megastart.loader.needs import ParamInfo
-from megastart.loader.verify import Coverage, CoverageError
+from megastart.loader.mapping.needs import ParamInfo
+from megastart.loader.plan.verify import Coverage, CoverageError
 
 QKV = ParamInfo(0, "decoder.layers.0.self_attention.linear_qkv.weight", "decoder.layers.2.self_attention.linear_qkv.weight", (96, 64), "float32")  # fmt: skip
 NORM = ParamInfo(

@@ -13,10 +13,11 @@ import pytest
 from megastart.bench.synthetic import MODELS, Layout, synthetic_checkpoint, world_demands
 from megastart.bench.world import received_up, shared_reports
 from megastart.distributed import tree_levels
-from megastart.loader.mappings import mapping_for
-from megastart.loader.plan import build_plan
-from megastart.loader.planning import NODES, Outline, WorldDemands, node_plan, node_views
-from megastart.loader.route import Nodes, leader_sets, local_buckets
+from megastart.loader.mapping.mappings import mapping_for
+from megastart.loader.plan.buckets import build_plan
+from megastart.loader.plan.nodes import Nodes, local_buckets
+from megastart.loader.plan.planning import NODES, Outline, WorldDemands, node_plan, node_views
+from megastart.loader.stream.route import leader_sets
 
 
 @pytest.fixture(scope="module")

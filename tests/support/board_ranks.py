@@ -39,7 +39,7 @@ def meet_at_a_barrier(ranks_per_node: int, late: int, late_s: float, fail: bool)
     import torch.distributed as dist
 
     from megastart.distributed import Board, PeerFailed
-    from megastart.loader.node import node_board
+    from megastart.loader.stream.node import node_board
 
     rank = dist.get_rank()
     first = rank - rank % ranks_per_node

@@ -167,7 +167,7 @@ def tables_agree(checkpoint: str, layout: dict[str, int]) -> dict[str, tuple[Any
     """Per canonical parameter of this rank where the two differ: (HF tensors, transform) from
     the bridge's registry and from megastart's built-in table."""
     from megastart.loader.checkpoint import read_metadata
-    from megastart.loader.model import local_needs
+    from megastart.loader.mapping.model import local_needs
 
     meta = read_metadata(checkpoint, allow_pickle=False)
     with megatron(layout):

@@ -78,7 +78,7 @@ def kill_a_node_leader(ranks_per_node: int, leader: int, out: str, report_at_s: 
     import torch.distributed as dist
 
     from megastart.distributed import Board, CollectiveError
-    from megastart.loader.node import node_board
+    from megastart.loader.stream.node import node_board
 
     rank = dist.get_rank()
     first = rank - rank % ranks_per_node
@@ -135,7 +135,7 @@ def page_refused_on(leader: int, ranks_per_node: int) -> Any:
     from torch.distributed.distributed_c10d import _get_default_store
 
     from megastart.distributed import Board, LocalGroup
-    from megastart.loader import node, shm
+    from megastart.loader.stream import node, shm
 
     rank = dist.get_rank()
     first = rank - rank % ranks_per_node
@@ -207,7 +207,7 @@ def reinit_on_the_same_port(checkpoint: str, port: int) -> dict[str, Any]:
     from megastart import load_hf_checkpoint
     from megastart.distributed import Board, all_or_none, kept_control
     from megastart.harness.cpu import destroy_megatron, initialize_megatron
-    from megastart.loader.node import node_board
+    from megastart.loader.stream.node import node_board
     from megastart.warmup.api import warmup_communicators
     from megastart.warmup.settings import CommWarmupSettings
     from support.loader_ranks import build, settings

@@ -43,7 +43,7 @@ class RecordingDriver:
 @contextmanager
 def recorded_driver(refuse: bool) -> Iterator[list[RecordingDriver]]:
     """Every driver the loader makes in the block, recording (or refusing) its calls."""
-    from megastart.loader import registration
+    from megastart.loader.stream import registration
 
     made: list[RecordingDriver] = []
     original = registration.cuda_driver
@@ -62,7 +62,7 @@ def recorded_driver(refuse: bool) -> Iterator[list[RecordingDriver]]:
 @contextmanager
 def copied_straight() -> Iterator[list[int]]:
     """The bytes each copier of the block copied straight out of registered mappings."""
-    from megastart.loader.copier import Copier
+    from megastart.loader.stream.copier import Copier
 
     counts: list[int] = []
     original = Copier.close
@@ -142,7 +142,7 @@ def failing_load_into_cuda(
     import torch.distributed as dist
 
     from megastart import load_hf_checkpoint
-    from megastart.loader.stream import Stream
+    from megastart.loader.stream.stream import Stream
 
     original = Stream.apply
     calls = [0]

@@ -19,7 +19,7 @@ def load_while_replacing_the_checkpoint(checkpoint: str, overrides: dict[str, An
     right after it applies its first bucket, as a sync job or a second save would."""
     import torch.distributed as dist
 
-    from megastart.loader import stream
+    from megastart.loader.stream import stream
 
     original = stream.Stream.apply
 

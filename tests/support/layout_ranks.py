@@ -68,8 +68,8 @@ def theirs_and_ours(
     """Rank's parameter as the bridge's mapping makes it and as megastart's translation makes
     it (from three uneven row blocks of each HF tensor, in the dtype the stream carries them
     in), and the transform's name."""
-    from megastart.loader.bridge import bridge_table
-    from megastart.loader.transforms import TRANSFORMS, Rows, Shard, travels_as_stored
+    from megastart.loader.mapping.bridge import bridge_table
+    from megastart.loader.mapping.transforms import TRANSFORMS, Rows, Shard, travels_as_stored
 
     import_megatron_bridge()
     from megatron.bridge.models.conversion import param_mapping
@@ -185,8 +185,8 @@ def full_dim_norm(which: str, key_heads: int) -> tuple[torch.Tensor, torch.Tenso
     """MiniMax-M2's ``_FullDimRMSNorm`` (``which``: ``q`` or ``k``) at TP2 with ``key_heads``
     key heads: the rows its own ``sharded_state_dict`` says this rank holds of a random HF
     norm, and what megastart's translation of the bridge's mapping places."""
-    from megastart.loader.bridge import bridge_table
-    from megastart.loader.transforms import TRANSFORMS, Shard
+    from megastart.loader.mapping.bridge import bridge_table
+    from megastart.loader.mapping.transforms import TRANSFORMS, Shard
 
     import_megatron_bridge()
     from megatron.bridge.models.minimax_m2 import minimax_m2_bridge, minimax_m2_provider
@@ -231,8 +231,8 @@ def full_dim_norm(which: str, key_heads: int) -> tuple[torch.Tensor, torch.Tenso
 def mimo_input_proj() -> tuple[torch.Tensor, torch.Tensor, str]:
     """MiMo's MTP ``eh_proj`` at TP2: the bridge's hook and mapping on a random HF
     ``input_proj``, and megastart's translation placing it from three row blocks."""
-    from megastart.loader.bridge import bridge_table
-    from megastart.loader.transforms import TRANSFORMS, Rows, Shard
+    from megastart.loader.mapping.bridge import bridge_table
+    from megastart.loader.mapping.transforms import TRANSFORMS, Rows, Shard
 
     import_megatron_bridge()
     from megatron.bridge.models.mimo.mimo_bridge import MimoBridge
@@ -273,8 +273,8 @@ def gpt_oss_experts(intermediate: int) -> list[tuple[torch.Tensor, torch.Tensor,
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from transformers import GptOssConfig
 
-    from megastart.loader.bridge import bridge_table
-    from megastart.loader.transforms import TRANSFORMS, Rows, Shard
+    from megastart.loader.mapping.bridge import bridge_table
+    from megastart.loader.mapping.transforms import TRANSFORMS, Rows, Shard
 
     import_megatron_bridge()
     from megatron.bridge.models.gpt_oss.gpt_oss_bridge import GPTOSSBridge

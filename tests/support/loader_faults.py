@@ -34,8 +34,8 @@ def reader_storage_fails(good_reads: int, failure: Any, rank: int = 0):
     import torch.distributed as dist
 
     from megastart.bench.limits import drop_from_page_cache
-    from megastart.loader import pagecache, roles
     from megastart.loader.checkpoint import reader as checkpoint_module
+    from megastart.loader.stream import pagecache, roles
 
     originals = checkpoint_module.read_exact, pagecache.populate, roles.read
     calls = [0]
@@ -103,7 +103,7 @@ def load_while_a_rank_dies(
     import torch.distributed as dist
 
     from megastart import load_hf_checkpoint
-    from megastart.loader import stream
+    from megastart.loader.stream import stream
 
     if dist.get_rank() == dying_rank:
         original = stream.Stream.apply
@@ -156,7 +156,7 @@ def load_with_failing_receiver(
     import torch.distributed as dist
 
     from megastart import load_hf_checkpoint
-    from megastart.loader import stream
+    from megastart.loader.stream import stream
 
     original = stream.Stream.apply
 
@@ -229,7 +229,7 @@ def load_with_another_plan_on(
     """``rank`` plans buckets 8 times larger than the others (a bug the size check must catch)."""
     import torch.distributed as dist
 
-    from megastart.loader import planning
+    from megastart.loader.plan import planning
 
     original = planning.build_plan
 

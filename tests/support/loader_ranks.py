@@ -221,7 +221,7 @@ def load_counting_received_bytes(
     from megatron.core import parallel_state
 
     from megastart import load_hf_checkpoint
-    from megastart.loader.transport import Channel
+    from megastart.loader.stream.transport import Channel
 
     original = Channel._broadcast
     received = [0]
@@ -300,8 +300,8 @@ def load_seeing_shared_segments(
     the loader's shared segments and the checkpoint's files; and the segments still mapped
     after the load."""
     from megastart import load_hf_checkpoint
-    from megastart.loader import stream
-    from megastart.loader.shm import PREFIX
+    from megastart.loader.stream import stream
+    from megastart.loader.stream.shm import PREFIX
 
     def mapped(part: str) -> set[str]:
         lines = open("/proc/self/maps").read().splitlines()
@@ -329,7 +329,7 @@ def load_seeing_shared_segments(
 def parameter_shapes(checkpoint: str, layout: dict[str, int]) -> dict[str, tuple[int, ...]]:
     """This rank's loaded parameters (and buffers), canonical name -> local shape."""
     from megastart.loader.checkpoint import read_metadata
-    from megastart.loader.model import local_needs
+    from megastart.loader.mapping.model import local_needs
 
     with megatron(layout):
         params = local_needs(build(checkpoint), read_metadata(checkpoint, allow_pickle=False))[0]

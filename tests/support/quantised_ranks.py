@@ -23,10 +23,10 @@ def kimi_k25_int4_expert(intermediate: int) -> list[tuple[torch.Tensor, torch.Te
     them, and megastart's translation, from three uneven row blocks of each packed tensor."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    from megastart.loader.bridge import bridge_table
     from megastart.loader.checkpoint.quantised import INT4, logical_shape
-    from megastart.loader.transforms import TRANSFORMS, Rows, Shard
-    from megastart.loader.unpack import Packed
+    from megastart.loader.mapping.bridge import bridge_table
+    from megastart.loader.mapping.transforms import TRANSFORMS, Rows, Shard
+    from megastart.loader.mapping.unpack import Packed
 
     import_megatron_bridge()
     from megatron.bridge.models.kimi_vl.kimi_k25_vl_bridge import KimiK25VLBridge

@@ -1,5 +1,5 @@
 """What each rank runs in the registration tests: which of its slots the registered route
-registers (:func:`megastart.loader.stream.goes_straight`, on meta tensors), against the
+registers (:func:`megastart.loader.stream.stream.goes_straight`, on meta tensors), against the
 pieces :meth:`Stream.apply` would copy, cut out of real views of the files' mappings."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ def straight_slots(checkpoint: str, layout: dict[str, int]) -> dict[str, Any]:
     """This rank's slots of its plan, by name: those chosen for registration, those a copy
     takes straight out of the mapping, and the blocks registered for the plan's buckets."""
     from megastart.loader.checkpoint import read_metadata
-    from megastart.loader.model import local_needs
-    from megastart.loader.pagecache import FileMappings, Window
-    from megastart.loader.plan import build_plan
-    from megastart.loader.registration import blocks_in_order
-    from megastart.loader.stream import consumers_of, goes_straight
+    from megastart.loader.mapping.model import local_needs
+    from megastart.loader.plan.buckets import build_plan
+    from megastart.loader.stream.pagecache import FileMappings, Window
+    from megastart.loader.stream.registration import blocks_in_order
+    from megastart.loader.stream.stream import consumers_of, goes_straight
 
     with megatron(layout):
         meta = read_metadata(checkpoint, allow_pickle=False)
@@ -60,7 +60,7 @@ def copied_straight(
     """Whether a piece :meth:`Stream.apply` cuts from ``slot``'s real view of the mapping for
     ``need`` is what the copier takes straight: bytes of the mapping itself, contiguous, in
     the parameter's dtype, into a contiguous slice."""
-    from megastart.loader.transforms import TRANSFORMS
+    from megastart.loader.mapping.transforms import TRANSFORMS
 
     if index >= len(need.hf) or (need.scales and need.scales[index]):
         return False

@@ -108,7 +108,7 @@ def causal_lm_for_model_type(model_type: str) -> str | None:
     try:
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     except ImportError:
-        from megastart.loader.mappings import architecture_for_model_type
+        from megastart.loader.mapping.mappings import architecture_for_model_type
 
         return architecture_for_model_type(model_type)
     return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)

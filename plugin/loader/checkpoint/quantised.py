@@ -5,9 +5,9 @@ Read as stored and converted to the parameters' dtype, an FP8 weight loses its
 packed integers. So a quantised checkpoint is named here, before any transfer.
 One form the loader dequantises itself: DeepSeek-V3's FP8 block scaling
 (``quant_method: fp8`` with ``weight_block_size``, every float8 weight with a
-float32 ``weight_scale_inv`` per block; :mod:`megastart.loader.dequantise`). Two
+float32 ``weight_scale_inv`` per block; :mod:`megastart.loader.mapping.dequantise`). Two
 packed forms it dequantises where the host's Megatron-Bridge would, as its hook does
-(:mod:`megastart.loader.unpack`): gpt-oss's MXFP4 (``X_blocks`` / ``X_scales``) and
+(:mod:`megastart.loader.mapping.unpack`): gpt-oss's MXFP4 (``X_blocks`` / ``X_scales``) and
 compressed-tensors' INT4 ``pack-quantized`` (Kimi-K2.5's ``weight_packed`` /
 ``weight_scale``). Any other is left whole to a host whose own loader dequantises it or
 refused on every rank (:func:`megastart.loader.api.load_for_engine`).
@@ -58,7 +58,7 @@ class Quantisation:
     itself (FP8 block scaling); ``None``: it does not."""
     packing: str = ""
     """:data:`MXFP4` or :data:`INT4`: dequantised where the host's Megatron-Bridge's hook
-    dequantises it (:func:`megastart.loader.bridge.dequantises`); ``""``: not packed."""
+    dequantises it (:func:`megastart.loader.mapping.bridge.dequantises`); ``""``: not packed."""
 
     @property
     def suffixes(self) -> tuple[str, str]:

@@ -1,0 +1,20 @@
+"""Stream: moving the bytes of every bucket into the parameters that need them.
+
+Takes the :class:`~megastart.loader.plan.buckets.Plan`, this rank's needs and its route
+(reader, node leader or member); reads each bucket once, sends it once to each node
+that needs it, and copies each rank's slices into its parameters (CPU, or CUDA through
+page-locked chunks); returns the bytes read and sent, with every copy recorded in the
+coverage that ``plan.verify`` checks.
+
+Modules, in reading order:
+
+- ``stream``: the phase on one rank, what its roles share, applying buckets;
+- ``roles``: reader, relay, taker, each a function of the rank's stream;
+- ``route``: how buckets reach each rank, between nodes and inside one;
+- ``transport``: the loader's groups, bucket headers, broadcasts, the read-ahead;
+- ``node``, ``shm``: a node's page of the board, node-shared bucket memory;
+- ``pagecache``, ``preads``: the reader's node takes its slices from the page cache;
+- ``copier``, ``staging``, ``registration``: a rank's copies into its parameters, into one
+  GPU through page-locked chunks or registered mappings;
+- ``progress``: the reader's progress bar.
+"""
