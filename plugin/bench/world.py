@@ -108,11 +108,11 @@ def shared_reports(
 ) -> list[bytes]:
     """Each rank's report of the planning phase's mapping, pickled as it goes up the control
     plane (:func:`~megastart.distributed.all_or_none`'s report of a
-    :class:`~megastart.loader.plan.planning.RankDemands`; a node's replicas the same bytes)."""
+    :class:`~megastart.loader.plan.demands.RankDemands`; a node's replicas the same bytes)."""
     import dataclasses
 
     from megastart.loader.plan.buckets import packed
-    from megastart.loader.plan.planning import RankDemands
+    from megastart.loader.plan.demands import RankDemands
     from megastart.loader.settings import Rank0LoaderSettings
 
     packs = {id(d): packed(d, meta) for d in demands_by_rank}
@@ -163,7 +163,7 @@ def _planning(
     """What ``load_hf_checkpoint`` computes on ``rank`` between the planning phase's reports
     and the stream's first byte (``reader=global``, as today's default), and the bytes it
     receives down the tree: the reader unpickles every distinct report, summarises them
-    (:class:`~megastart.loader.plan.planning.WorldDemands`), plans the buckets and cuts each
+    (:class:`~megastart.loader.plan.demands.WorldDemands`), plans the buckets and cuts each
     node's view of them; another rank unpickles its node's reports, the summary and its
     node's view as the control plane hands them down
     (:func:`~megastart.loader.plan.planning.handed_out`: a leader's with the group's nodes, a
@@ -172,8 +172,9 @@ def _planning(
     from megastart.distributed.wire import INLINE_BYTES
     from megastart.loader.mapping.mappings import mapping_for
     from megastart.loader.plan.buckets import build_plan
+    from megastart.loader.plan.demands import WorldDemands
     from megastart.loader.plan.nodes import Nodes, local_buckets
-    from megastart.loader.plan.planning import NODES, Outline, WorldDemands, node_plan, node_views
+    from megastart.loader.plan.planning import NODES, Outline, node_plan, node_views
     from megastart.loader.stream.route import leader_sets
 
     table = mapping_for(meta.architectures[0])

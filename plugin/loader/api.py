@@ -3,7 +3,7 @@
 1. metadata: rank 0 reads ``config.json`` and the safetensors headers, broadcasts them;
 2. plan: every rank maps its parameters to HF tensors and checks shapes; the
    demands go up the control plane's tree to rank 0, which sends every rank a
-   summary of them (:class:`~megastart.loader.plan.planning.Summary`), and the reader
+   summary of them (:class:`~megastart.loader.plan.demands.Summary`), and the reader
    plans the buckets; on several nodes each node takes its view of them from the
    reader, down the tree (:func:`~megastart.loader.plan.planning.handed_out`);
 3. stream: each reader reads its group's buckets once; each crosses to every
@@ -23,18 +23,17 @@ parameters: see :func:`load_hf_checkpoint`.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from megastart.distributed import (
     PEER_GRACE_S,
     Board,
-    CollectiveError,
+    Control,
     OwnGroups,
     Started,
     all_or_none,
@@ -42,39 +41,17 @@ from megastart.distributed import (
     discard_control,
     discarding_control,
     kept_control,
-    node_key,
 )
 from megastart.distributed.sticky import LATCH
-from megastart.distributed.world import training_device
-from megastart.loader.checkpoint import (
-    CheckpointMeta,
-    QuantisedCheckpoint,
-    as_seen_here,
-    read_metadata,
-)
+from megastart.loader.checkpoint import CheckpointMeta, QuantisedCheckpoint, read_metadata
 from megastart.loader.mapping.bridge import Untranslatable, dequantises
-from megastart.loader.mapping.model import UnsupportedArchitecture, local_needs, mapping_table
-from megastart.loader.mapping.needs import left_to_host
-from megastart.loader.plan.buckets import Plan, packed
-from megastart.loader.plan.nodes import Nodes
-from megastart.loader.plan.planning import (
-    RankDemands,
-    Summary,
-    WorldDemands,
-    announce,
-    handed_out,
-    known_table,
-    plan_buckets,
-    transport_backend,
-)
-from megastart.loader.plan.verify import Coverage
+from megastart.loader.mapping.mappings import MappingTable
+from megastart.loader.mapping.model import UnsupportedArchitecture, mapping_table
+from megastart.loader.plan.demands import map_ranks
+from megastart.loader.plan.planning import Planned, plan_here, reader_group
 from megastart.loader.settings import PLUGIN, Rank0LoaderSettings, resolved
-from megastart.loader.stream import pagecache, roles
-from megastart.loader.stream.copier import Copier
-from megastart.loader.stream.node import node_board
-from megastart.loader.stream.route import open_route
-from megastart.loader.stream.staging import copy_threads
-from megastart.loader.stream.stream import Stream
+from megastart.loader.stream import pagecache
+from megastart.loader.stream.phase import stream_phase
 from megastart.records import LoadReport
 
 if TYPE_CHECKING:
@@ -85,13 +62,6 @@ log = logging.getLogger("megastart")
 
 _sticky = LATCH
 """The process's latch: a failed load (or hook) is refused again by every later load."""
-
-
-class Streamed(NamedTuple):
-    """What one rank moved in the stream phase."""
-
-    bytes_read: int
-    bytes_broadcast: int
 
 
 def load_for_engine(engine: EngineContext, checkpoint: str) -> LoadReport | None:
@@ -225,14 +195,67 @@ def _load(
     value_model: bool,
     bridge: Any,
 ) -> LoadReport:
+    """The phases, each all-or-none across ranks, each taking what the one before returned."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
     control = kept_control(timeout_s=own.timeout_s)
-    # agreed in the demands' summary below: one collective less before any bulk transfer
-    agreed = {f: v for f, v in dataclasses.asdict(settings).items() if f != "progress"}
     phase = partial(all_or_none, timeout_s=settings.timeout_s, control=control, board=board)
+    meta, table = _metadata_phase(checkpoint, metadata, settings, control, bridge)
+    mapped = map_ranks(
+        chunks,
+        meta,
+        table,
+        settings,
+        phase,
+        value_model=value_model,
+        bridge=bridge,
+        page_cache=pagecache.supported(),
+    )
+    group = reader_group(rank, dist.get_world_size(), mapped, settings)
+    planning = partial(
+        plan_here,
+        rank,
+        mapped,
+        group,
+        meta,
+        settings,
+        control,
+        timeout_s=own.timeout_s,
+        checkpoint=checkpoint,
+        value_model=value_model,
+        strict=settings.strict and bridge is None,
+    )
+    cached = settings.reader_node == "page_cache" and meta.format == "safetensors"
+    page_cache = [cached and mapped.held[r].page_cache for r in group.here]
+    planned: Planned | Callable[[], Planned] = planning
+    if not (mapped.summary.nodes == 1 and all(page_cache)):  # else planned in the stream phase
+        with phase(f"{PLUGIN}: planning the buckets"):
+            planned = planning()
+    moved, planned = stream_phase(
+        planned, mapped, group, meta, page_cache, settings, own, board, phase, checkpoint
+    )
+    return LoadReport(
+        plugin=PLUGIN,
+        checkpoint=checkpoint,
+        bytes_read=sum(m.bytes_read for m in moved),
+        bytes_broadcast=sum(m.bytes_broadcast for m in moved),
+        seconds=time.perf_counter() - start,
+        reader_ranks=planned.readers,
+        tensors=mapped.summary.tensors,
+        left_to_host=mapped.summary.left_to_host,
+    )
 
+
+def _metadata_phase(
+    checkpoint: str,
+    metadata: Callable[[], CheckpointMeta | None] | Started,
+    settings: Rank0LoaderSettings,
+    control: Control,
+    bridge: Any,
+) -> tuple[CheckpointMeta, MappingTable | None]:
+    """Rank 0's metadata on every rank, and the built-in table that serves it (``None``: the
+    host's ``bridge`` decides); a quantised checkpoint nothing here dequantises is refused."""
     meta: CheckpointMeta | None = broadcast_or_raise(
         f"{PLUGIN}: reading the metadata of {checkpoint!r}",
         metadata,
@@ -249,136 +272,7 @@ def _load(
     if quantisation is not None and not dequantises(quantisation, bridge):
         # never cast without the scales, whatever strict says
         raise quantisation.refusal(checkpoint)
-
-    world = WorldDemands(
-        meta,
-        table,
-        value_model=value_model,
-        node_readers=settings.reader == "node",
-        fix="set the MEGASTART_RANK0_LOADER_* variables (or the megastart.rank0_loader config) "
-        "the same on every rank",
-    )
-    with phase(
-        f"{PLUGIN}: mapping this rank's parameters to the checkpoint", summarise=world.summarise
-    ) as planned:
-        try:
-            params, tensors, shard, needs = local_needs(
-                chunks, meta, table, value_model=value_model, bridge=bridge
-            )
-        except Untranslatable as e:  # the bridge loads, on every rank: agreed below
-            planned.share(RankDemands(node_key(), b"", "", [], False, agreed, str(e)))
-        else:
-            device = tensors[next(iter(tensors))].device if tensors else training_device()
-            demands = packed([demand for need in needs for demand in need.demands()], meta)
-            left = [p.name for p in left_to_host(params, needs)]
-            planned.share(
-                RankDemands(node_key(), demands, device.type, left, pagecache.supported(), agreed)
-            )
-    summary: Summary = planned.summary
-    held: dict[int, RankDemands] = planned.held  # its node's (every rank's on rank 0)
-    if summary.disagreement is not None:
-        raise CollectiveError(summary.disagreement)
-    if summary.untranslatable:
-        raise Untranslatable(summary.untranslatable)
-    if table is None:  # the bridge decided: what it leaves unread is only named, not refused
-        table = known_table(meta)
-    here = tuple(r for r, theirs in held.items() if theirs.node == held[rank].node)  # its node
-    if settings.reader == "node":
-        group: Sequence[int] = here
-    else:
-        group = range(dist.get_world_size())
-    striped = settings.reader in ("striped", "auto") and summary.nodes > 1
-    # a group of several nodes: its reader plans, and each node takes its buckets from it
-    handed = len(here) < len(group)
-    node = tuple(group.index(r) for r in here)
-
-    left_by_all = summary.left_to_host
-    known = table
-
-    def plan_here() -> tuple[Plan, tuple[int, ...], str, Nodes | None]:
-        """This rank's plan, its group's reader ranks, the transport's backend, and the group's
-        nodes where this rank needs them: planned here, or, in a group of several nodes, by
-        its reader alone and handed down to each node."""
-        backend = transport_backend(settings.transport, summary.devices)
-        buckets = nodes = None
-        if not handed or rank == group[0]:  # its reports: its node's, or every rank's on rank 0
-            nodes = Nodes.of([held[r].node for r in group])
-            buckets = plan_buckets(
-                world.of(group, held),
-                meta,
-                settings,
-                group,
-                nodes,
-                readers=summary.readers if settings.reader == "node" else (0,),
-                unused=summary.unused,
-                striped=striped,
-                checkpoint=checkpoint,
-                strict=settings.strict and bridge is None,
-            )
-        if handed:
-            plan, outline, nodes = handed_out(
-                buckets, group, nodes, control, timeout_s=own.timeout_s
-            )
-            readers = outline.reader_ranks
-        else:
-            assert buckets is not None
-            plan, readers = buckets.plan, buckets.readers
-        if rank == 0 and buckets is not None:
-            announce(
-                buckets, left_by_all, checkpoint, known, striped=striped, value_model=value_model
-            )
-        return plan, readers, backend, nodes
-
-    cached = settings.reader_node == "page_cache" and meta.format == "safetensors"
-    page_cache = [cached and held[r].page_cache for r in here]
-    # One node taking its slices out of the page cache makes no process group (where a rank
-    # that failed to plan would leave the others waiting, unnamed): it plans inside the
-    # stream's phase, a failure stops the others at the board, and the planning phase's
-    # verdict (a collective) goes.
-    ahead = None
-    if not (summary.nodes == 1 and all(page_cache)):
-        with phase(f"{PLUGIN}: planning the buckets"):
-            ahead = plan_here()
-    coverage = Coverage()
-    with (
-        phase(f"{PLUGIN}: streaming {checkpoint!r} and verifying the coverage") as loaded,
-        node_board(board, here, nodes=summary.nodes) as page,
-    ):
-        plan, readers, backend, nodes = ahead or plan_here()
-        route = open_route(
-            group,
-            node,
-            nodes,
-            plan.receiver_sets,
-            own,
-            page_cache=page_cache,
-            backend=backend,
-            device=device,
-            board=board,
-            page=page,
-            striped=striped,
-        )
-        if route.opens_files and 0 not in here:  # another node may mount them apart
-            meta = dataclasses.replace(meta, shards=as_seen_here(meta.directory, meta.shards))
-        with Copier(device, copy_threads(len(route.node))) as copier:
-            stream = Stream(meta, plan, needs, tensors, shard, coverage, route, copier)
-            read, sent = roles.run(stream, settings)
-        coverage.check([n.param for n in needs])  # every parameter but those left to the host
-        loaded.share(Streamed(read, sent))
-        # A rank done early waits here, as long as the readers read; the verdict's gather
-        # below is bounded by timeout_s from its start, which a long read would outlast.
-        board.barrier("every rank to finish the stream")
-    moved: list[Streamed] = loaded.shared
-    return LoadReport(
-        plugin=PLUGIN,
-        checkpoint=checkpoint,
-        bytes_read=sum(m.bytes_read for m in moved),
-        bytes_broadcast=sum(m.bytes_broadcast for m in moved),
-        seconds=time.perf_counter() - start,
-        reader_ranks=readers,
-        tensors=summary.tensors,
-        left_to_host=left_by_all,
-    )
+    return meta, table
 
 
 def _rank() -> int:

@@ -15,8 +15,9 @@ from megastart.bench.world import received_up, shared_reports
 from megastart.distributed import tree_levels
 from megastart.loader.mapping.mappings import mapping_for
 from megastart.loader.plan.buckets import build_plan
+from megastart.loader.plan.demands import WorldDemands
 from megastart.loader.plan.nodes import Nodes, local_buckets
-from megastart.loader.plan.planning import NODES, Outline, WorldDemands, node_plan, node_views
+from megastart.loader.plan.planning import NODES, Outline, node_plan, node_views
 from megastart.loader.stream.route import leader_sets
 
 

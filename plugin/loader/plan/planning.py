@@ -1,136 +1,119 @@
-"""The load's planning phase across ranks: what each rank shares, what rank 0 tells every
-rank of it (:class:`Summary`), the buckets the reader computes from it, each node's view of
-them handed down from the reader, and what rank 0 says about them.
+"""The planning phase across ranks: this rank's reader group, the buckets its reader
+computes from the ranks' demands (:mod:`megastart.loader.plan.demands`), and each node's
+view of them handed down from the reader.
 
-:mod:`megastart.loader.plan.buckets` is the plain-data core (demands in, buckets out); this module
-puts it to a load's ranks, reader groups and settings, so that
-:mod:`megastart.loader.api` reads as the phases alone.
+:mod:`megastart.loader.plan.buckets` is the plain-data core (demands in, buckets out); this
+module puts it to a load's ranks, reader groups and settings.
 """
 
 from __future__ import annotations
 
-import logging
 import pickle
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-from megastart.distributed import CollectiveError, Control, disagreement
+from megastart.distributed import CollectiveError, Control
 from megastart.errors import PlanError, SettingsError
 from megastart.loader.checkpoint import CheckpointMeta
-from megastart.loader.mapping.mappings import VALUE_HEAD, MappingTable
-from megastart.loader.mapping.model import UnsupportedArchitecture, mapping_table
 from megastart.loader.mapping.needs import Demand
-from megastart.loader.plan.buckets import (
-    Bucket,
-    Plan,
-    Shipped,
-    build_plan,
-    demands_once,
-    distinct,
-    runs,
-    unused_tensors,
-)
+from megastart.loader.plan.announce import announce, unused_message
+from megastart.loader.plan.buckets import Bucket, Plan, Shipped, build_plan, runs
+from megastart.loader.plan.demands import Mapped
 from megastart.loader.plan.nodes import Nodes
 from megastart.loader.plan.stripes import stripe
 from megastart.loader.settings import PLUGIN, Rank0LoaderSettings
 
-log = logging.getLogger("megastart")
+
+class ReaderGroup(NamedTuple):
+    """This rank's reader group: the ranks one reader (or one stripe of readers) serves."""
+
+    ranks: Sequence[int]
+    """Its global ranks: every rank, or with ``reader=node`` this rank's node."""
+    here: tuple[int, ...]
+    """This rank's node's global ranks."""
+    node: tuple[int, ...]
+    """This rank's node's positions in :attr:`ranks`."""
+    striped: bool
+    """Every node leader reads a share of the buckets."""
+    handed: bool
+    """The group spans several nodes: its reader plans, and each node takes its view."""
 
 
-class RankDemands(NamedTuple):
-    """What one rank tells the others when planning."""
-
-    node: tuple[str, int]
-    """Its node (:func:`~megastart.distributed.node_key`)."""
-    demands: bytes
-    """The HF tensors each of its parameters takes, and the parameter's dtype
-    (:func:`~megastart.loader.plan.buckets.packed`: replicas send the same bytes, unpacked once)."""
-    device: str
-    """The device type of its parameters (``"cuda"``, ``"cpu"``)."""
-    left_to_host: list[str]
-    """Its parameters the load leaves as the host initialised them (canonical names)."""
-    page_cache: bool
-    """Whether its kernel populates mappings on request (:func:`pagecache.supported`)."""
-    settings: dict[str, Any]
-    """Its ``rank0_loader`` settings (but ``progress``), which every rank's must equal."""
-    untranslatable: str = ""
-    """Why the host's bridge's mapping cannot be reproduced here (``""``: it can)."""
+def reader_group(
+    rank: int, world_size: int, mapped: Mapped, settings: Rank0LoaderSettings
+) -> ReaderGroup:
+    """This rank's reader group, from its node's reports (:attr:`Mapped.held`)."""
+    held = mapped.held
+    here = tuple(r for r, theirs in held.items() if theirs.node == held[rank].node)
+    ranks: Sequence[int] = here if settings.reader == "node" else range(world_size)
+    striped = settings.reader in ("striped", "auto") and mapped.summary.nodes > 1
+    node = tuple(ranks.index(r) for r in here)
+    return ReaderGroup(ranks, here, node, striped, handed=len(here) < len(ranks))
 
 
-class Summary(NamedTuple):
-    """What every rank needs of the ranks' :class:`RankDemands`, from rank 0 (which alone
-    receives them all, :class:`WorldDemands`): not the world's demands (9-11 MB at 8,192
-    ranks), which only the reader plans with, nor every rank's node (a rank takes its own
-    node's from the reports it holds, and a node leader the reader group's nodes with its
-    buckets, :func:`handed_out`): the same bytes whatever the world's size."""
+class Planned(NamedTuple):
+    """What the planning phase gives the stream on this rank."""
 
-    nodes: int
-    """How many nodes the ranks are on."""
+    plan: Plan
+    """Its reader group's buckets, or its node's view of them."""
     readers: tuple[int, ...]
-    """With ``reader=node``, each node's first rank (its reader), ascending; else ``()``."""
-    devices: frozenset[str]
-    """The device types of every rank's parameters."""
-    left_to_host: tuple[str, ...]
-    """Every rank's :attr:`RankDemands.left_to_host`, sorted, once each."""
-    disagreement: str | None
-    """Why the ranks' settings differ (``None``: they agree)."""
-    untranslatable: str
-    """The first rank's :attr:`RankDemands.untranslatable` that is not ``""``."""
-    unused: tuple[str, ...]
-    """Checkpoint tensors no rank uses (not read)."""
-    tensors: int
-    """The checkpoint tensors some rank demands (for the report)."""
+    """The group's reader ranks."""
+    backend: str
+    """The backend buckets cross nodes on."""
+    nodes: Nodes | None
+    """The group's nodes, where this rank routes by them (``None``: a member of a handed plan)."""
 
 
-class WorldDemands:
-    """Every rank's demands on rank 0: summarised for the others (:meth:`summarise`, the
-    planning phase's ``summarise``) and kept, unpacked once, for its own planning."""
-
-    def __init__(
-        self,
-        meta: CheckpointMeta,
-        table: MappingTable | None,
-        *,
-        value_model: bool,
-        fix: str,
-        node_readers: bool = False,
-    ) -> None:
-        self.meta = meta
-        self.table = table
-        self.value_model = value_model
-        self.fix = fix
-        self.node_readers = node_readers
-        """Each node reads for itself (``reader=node``): the summary names their readers."""
-        self.demands: list[list[Demand]] = []
-        """Every rank's, once summarised here (on rank 0; on one node, every rank)."""
-
-    def summarise(self, reports: list[RankDemands]) -> Summary:
-        self.demands = demands_once([r.demands for r in reports], self.meta)
-        table = self.table if self.table is not None else known_table(self.meta)
-        unused = unused_tensors(self.demands, self.meta, table, value_model=self.value_model)
-        distinct_names = {n for d in distinct(self.demands) for names, _ in d for n in names}
-        first: dict[tuple[str, int], int] = {}  # each node's first rank
-        for rank, report in enumerate(reports):
-            first.setdefault(report.node, rank)
-        return Summary(
-            nodes=len(first),
-            readers=tuple(sorted(first.values())) if self.node_readers else (),
-            devices=frozenset(r.device for r in reports),
-            left_to_host=tuple(sorted({name for r in reports for name in r.left_to_host})),
-            disagreement=disagreement(PLUGIN, [r.settings for r in reports], fix=self.fix),
-            untranslatable=min({r.untranslatable for r in reports} - {""}, default=""),
-            unused=tuple(unused),
-            tensors=len(distinct_names),
+def plan_here(
+    rank: int,
+    mapped: Mapped,
+    group: ReaderGroup,
+    meta: CheckpointMeta,
+    settings: Rank0LoaderSettings,
+    control: Control,
+    *,
+    timeout_s: float,
+    checkpoint: str,
+    value_model: bool,
+    strict: bool,
+) -> Planned:
+    """This rank's plan: planned here, or, in a group of several nodes, by its reader alone and
+    handed down to each node (:func:`handed_out`); rank 0 says what the plan leaves out."""
+    summary = mapped.summary
+    backend = transport_backend(settings.transport, summary.devices)
+    buckets = nodes = None
+    if not group.handed or rank == group.ranks[0]:  # its node's reports, or every rank's
+        nodes = Nodes.of([mapped.held[r].node for r in group.ranks])
+        buckets = plan_buckets(
+            mapped.world.of(group.ranks, mapped.held),
+            meta,
+            settings,
+            group.ranks,
+            nodes,
+            readers=summary.readers if settings.reader == "node" else (0,),
+            unused=summary.unused,
+            striped=group.striped,
+            checkpoint=checkpoint,
+            strict=strict,
         )
-
-    def of(self, group: Sequence[int], held: dict[int, RankDemands]) -> list[list[Demand]]:
-        """The demands of ``group``'s ranks: from every rank's where summarised here, else from
-        those held (a group of this rank's node)."""
-        if self.demands:
-            return [self.demands[r] for r in group]
-        return demands_once([held[r].demands for r in group], self.meta)
+    if group.handed:
+        plan, outline, nodes = handed_out(buckets, group.ranks, nodes, control, timeout_s=timeout_s)
+        readers = outline.reader_ranks
+    else:
+        assert buckets is not None
+        plan, readers = buckets.plan, buckets.readers
+    if rank == 0 and buckets is not None:
+        announce(
+            buckets,
+            summary.left_to_host,
+            checkpoint,
+            mapped.table,
+            striped=group.striped,
+            value_model=value_model,
+        )
+    return Planned(plan, readers, backend, nodes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +146,7 @@ def plan_buckets(
     :attr:`Summary.unused`) when ``strict``. ``readers``: every group's reader, unless
     ``striped``."""
     if unused and strict:
-        raise PlanError(_unused_message(list(unused), checkpoint, strict=True))
+        raise PlanError(unused_message(list(unused), checkpoint, strict=True))
     plan = build_plan(
         demands,
         meta,
@@ -282,55 +265,6 @@ def handed_out(
     return node_plan(outline, view), outline, None if theirs is None else pickle.loads(theirs)
 
 
-def announce(
-    buckets: Buckets,
-    left_by_all: Sequence[str],
-    checkpoint: str,
-    table: MappingTable,
-    *,
-    striped: bool,
-    value_model: bool,
-) -> None:
-    """Rank 0's lines about the plan: tensors not read, parameters left to the host, readers."""
-    if buckets.unused:
-        log.warning(
-            "megastart: %s", _unused_message(list(buckets.unused), checkpoint, strict=False)
-        )
-    heads = [n for n in left_by_all if value_model and n.startswith(VALUE_HEAD)]
-    if heads:
-        log.info(
-            "megastart: value head %s keeps the host's initialisation: %r has no tensor of "
-            "its shape for it (a weight is looked for in %s; a bias never is)",
-            heads,
-            checkpoint,
-            ", ".join(table.value_head_sources),
-        )
-    if len(heads) < len(left_by_all):  # only the bridge's table leaves others
-        log.info(
-            "megastart: %s keep the host's initialisation: the host's Megatron-Bridge does not "
-            "load them either (adapters, parameters none of its mappings names, an output "
-            "layer tied to the embedding)",
-            [n for n in left_by_all if n not in heads],
-        )
-    if striped:
-        log.info(
-            "megastart: %s striped over %d readers (%s), %.2f GB in %d buckets",
-            PLUGIN,
-            len(buckets.readers),
-            _ranks_text(buckets.readers),
-            buckets.plan.nbytes / 1e9,
-            len(buckets.plan.buckets),
-        )
-
-
-def known_table(meta: CheckpointMeta) -> MappingTable:
-    """The built-in table of the checkpoint's architecture (its ignored tensors), or none."""
-    try:
-        return mapping_table(meta)
-    except UnsupportedArchitecture:
-        return MappingTable(meta.architectures, ())
-
-
 def transport_backend(transport: str, device_types: AbstractSet[str]) -> str:
     """The backend the buckets cross nodes on, for the ``transport`` setting."""
     if transport == "auto":
@@ -341,21 +275,3 @@ def transport_backend(transport: str, device_types: AbstractSet[str]) -> str:
             "use transport=auto or gloo"
         )
     return transport
-
-
-def _ranks_text(ranks: Sequence[int]) -> str:
-    """``ranks`` for a log line: all of a few, the first and last of many."""
-    shown = ", ".join(map(str, ranks[:4]))
-    return f"ranks {shown}" + (f", ... {ranks[-1]}" if len(ranks) > 4 else "")
-
-
-def _unused_message(unused: list[str], checkpoint: str, *, strict: bool) -> str:
-    shown = ", ".join(repr(n) for n in unused[:5]) + (
-        f" (and {len(unused) - 5} more)" if len(unused) > 5 else ""
-    )
-    if strict:
-        return (
-            f"checkpoint {checkpoint!r} holds {len(unused)} tensor(s) no Megatron parameter uses: {shown}; "
-            "the model built is missing layers the checkpoint has, or set rank0_loader.strict=false"
-        )
-    return f"rank0_loader: {len(unused)} tensor(s) of {checkpoint!r} feed no parameter and were not read: {shown}"

@@ -8,6 +8,7 @@ coverage that ``plan.verify`` checks.
 
 Modules, in reading order:
 
+- ``phase``: the phase across ranks (route, roles, coverage);
 - ``stream``: the phase on one rank, what its roles share, applying buckets;
 - ``roles``: reader, relay, taker, each a function of the rank's stream;
 - ``route``: how buckets reach each rank, between nodes and inside one;
