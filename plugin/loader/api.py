@@ -50,7 +50,7 @@ from megastart.loader.mapping.model import UnsupportedArchitecture, mapping_tabl
 from megastart.loader.plan.demands import map_ranks
 from megastart.loader.plan.planning import Planned, plan_here, reader_group
 from megastart.loader.settings import PLUGIN, Rank0LoaderSettings, resolved
-from megastart.loader.stream import pagecache
+from megastart.loader.stream import mappings
 from megastart.loader.stream.phase import stream_phase
 from megastart.records import LoadReport
 
@@ -210,7 +210,7 @@ def _load(
         phase,
         value_model=value_model,
         bridge=bridge,
-        page_cache=pagecache.supported(),
+        page_cache=mappings.supported(),
     )
     group = reader_group(rank, dist.get_world_size(), mapped, settings)
     planning = partial(

@@ -123,9 +123,9 @@ def load_without_cachestat(
 ) -> tuple[int, dict[str, torch.Tensor], int]:
     """:func:`load_parameters` as on a kernel that refuses ``cachestat``, and how many times this
     rank asked ``mincore`` instead."""
-    from megastart.loader.stream import pagecache
+    from megastart.loader.stream import mappings
 
-    original = pagecache.resident
+    original = mappings.resident
     asked = [0]
 
     def counted(data: torch.Tensor, offset: int, length: int) -> bool:
@@ -133,12 +133,12 @@ def load_without_cachestat(
         return original(data, offset, length)
 
     preads._no_cachestat.set()
-    pagecache.resident = counted
+    mappings.resident = counted
     try:
         return (*load_parameters(checkpoint, layout, {}), asked[0])
     finally:
         preads._no_cachestat.clear()
-        pagecache.resident = original
+        mappings.resident = original
 
 
 @pytest.mark.parametrize("route", ROUTES)

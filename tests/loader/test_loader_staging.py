@@ -25,7 +25,7 @@ import torch
 
 from megastart.loader.checkpoint import read_metadata
 from megastart.loader.plan.buckets import build_plan
-from megastart.loader.stream.pagecache import FileMappings, resident
+from megastart.loader.stream.mappings import FileMappings, resident
 from megastart.loader.stream.registration import (
     BLOCK_BYTES,
     LEAD_BLOCKS,
@@ -194,7 +194,7 @@ def rss_file_kb() -> int:
 
 
 def test_dropped_pages_leave_the_process_and_stay_readable(tmp_path: Path) -> None:
-    from megastart.loader.stream.pagecache import drop_pages, map_file
+    from megastart.loader.stream.mappings import drop_pages, map_file
 
     path = tmp_path / "shard.bin"
     expected = torch.randint(0, 255, (32 << 20,), dtype=torch.uint8)

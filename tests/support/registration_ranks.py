@@ -17,7 +17,8 @@ def straight_slots(checkpoint: str, layout: dict[str, int]) -> dict[str, Any]:
     from megastart.loader.checkpoint import read_metadata
     from megastart.loader.mapping.model import local_needs
     from megastart.loader.plan.buckets import build_plan
-    from megastart.loader.stream.pagecache import FileMappings, Window
+    from megastart.loader.stream.mappings import FileMappings
+    from megastart.loader.stream.pagecache import Window
     from megastart.loader.stream.registration import blocks_in_order
     from megastart.loader.stream.stream import consumers_of, goes_straight
 

@@ -36,7 +36,7 @@ class RankDemands(NamedTuple):
     left_to_host: list[str]
     """Its parameters the load leaves as the host initialised them (canonical names)."""
     page_cache: bool
-    """Whether its kernel populates mappings on request (:func:`pagecache.supported`)."""
+    """Whether its kernel populates mappings on request (:func:`~megastart.loader.stream.mappings.supported`)."""
     settings: dict[str, Any]
     """Its ``rank0_loader`` settings (but ``progress``), which every rank's must equal."""
     untranslatable: str = ""

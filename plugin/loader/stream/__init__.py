@@ -10,11 +10,16 @@ Modules, in reading order:
 
 - ``phase``: the phase across ranks (route, roles, coverage);
 - ``stream``: the phase on one rank, what its roles share, applying buckets;
-- ``roles``: reader, relay, taker, each a function of the rank's stream;
+- ``roles``: which role a rank takes, and the takers' (copying their slices);
+- ``readers``: the reading roles (the reader, striped readers);
+- ``crossing``: buckets between nodes (broadcasts, a leader's relay);
 - ``route``: how buckets reach each rank, between nodes and inside one;
-- ``transport``: the loader's groups, bucket headers, broadcasts, the read-ahead;
+- ``transport``: the loader's groups, bucket headers, broadcasts between nodes;
+- ``prefetch``: the reader's read-ahead;
 - ``node``, ``shm``: a node's page of the board, node-shared bucket memory;
-- ``pagecache``, ``preads``: the reader's node takes its slices from the page cache;
+- ``mappings``, ``pagecache``, ``frontier``, ``preads``: the reader's node takes its slices
+  from the page cache (the load's file mappings, the reader's window over them, its progress,
+  reads by ``pread``);
 - ``copier``, ``staging``, ``registration``: a rank's copies into its parameters, into one
   GPU through page-locked chunks or registered mappings;
 - ``progress``: the reader's progress bar.

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     import torch
 
     from megastart.loader.plan.buckets import Plan, Slot
-    from megastart.loader.stream.pagecache import FileMappings
+    from megastart.loader.stream.mappings import FileMappings
 
 log = logging.getLogger("megastart")
 
@@ -86,7 +86,7 @@ class Copier:
     ) -> None:
         """Start registering the blocks of ``mappings`` holding the slots ``mine`` picks (those a
         copy takes straight: :meth:`~megastart.loader.stream.stream.Stream.straight_slots`), CUDA only."""
-        from megastart.loader.stream.pagecache import drop_pages, resident
+        from megastart.loader.stream.mappings import drop_pages, resident
 
         if self._device.type != "cuda" or self._registrations is not None:
             return

@@ -39,7 +39,7 @@ _HEAD = 4
 
 SPARE_BYTES = 4096
 """Bytes of the page after the board's words, for one record the node's ranks share in the load
-(the reader's :class:`~megastart.loader.stream.pagecache.Frontier`): no segment of its own to make,
+(the reader's :class:`~megastart.loader.stream.frontier.Frontier`): no segment of its own to make,
 map and wait for."""
 
 

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     import torch
 
     from megastart.loader.plan.buckets import Plan, Slot
-    from megastart.loader.stream.pagecache import FileMappings
+    from megastart.loader.stream.mappings import FileMappings
 
 log = logging.getLogger("megastart")
 

@@ -31,11 +31,13 @@ from megastart.loader.mapping.unpack import Packed
 from megastart.loader.plan.buckets import Bucket, Plan, Slot
 from megastart.loader.plan.verify import Coverage
 from megastart.loader.stream.copier import Copier
+from megastart.loader.stream.frontier import Frontier
+from megastart.loader.stream.mappings import FileMappings
 from megastart.loader.stream.node import node_segment
-from megastart.loader.stream.pagecache import FileMappings, Frontier
+from megastart.loader.stream.prefetch import slot_view
 from megastart.loader.stream.route import Route
 from megastart.loader.stream.shm import Segment
-from megastart.loader.stream.transport import IN_FLIGHT, Channel, slot_view
+from megastart.loader.stream.transport import IN_FLIGHT, Channel
 
 if TYPE_CHECKING:
     import torch
