@@ -249,21 +249,21 @@ def fail_to_plan_on(failing: int, checkpoint: str, timeout_s: float) -> tuple[st
 
     import torch.distributed as dist
 
-    from megastart.loader import api
+    from megastart.loader.plan import planning
 
-    original = api.plan_buckets
+    original = planning.plan_buckets
 
     def plan_buckets(*args: object, **kwargs: object) -> object:
         if dist.get_rank() == failing:
             raise ValueError("this rank's plan failed")
         return original(*args, **kwargs)
 
-    api.plan_buckets = plan_buckets
+    planning.plan_buckets = plan_buckets
     started = time.monotonic()
     try:
         message = load_expecting_error(checkpoint, {"tp": 2}, {"timeout_s": timeout_s})
     finally:
-        api.plan_buckets = original
+        planning.plan_buckets = original
     return message, time.monotonic() - started
 
 

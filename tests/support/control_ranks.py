@@ -267,7 +267,7 @@ def fail_a_load_then_exit(checkpoint: str, port: int, rank: int, world: int) -> 
 
     from megastart import load_hf_checkpoint
     from megastart.harness.cpu import initialize_megatron
-    from megastart.loader import api
+    from megastart.loader.plan import demands
     from support.loader_ranks import build, settings
 
     dist.init_process_group(
@@ -276,14 +276,14 @@ def fail_a_load_then_exit(checkpoint: str, port: int, rank: int, world: int) -> 
     initialize_megatron(tp=2)
     chunks = build(checkpoint)
     load_hf_checkpoint(chunks, checkpoint, settings=settings(timeout_s=20.0))
-    original = api.local_needs
+    original = demands.local_needs
 
     def late(*args: Any, **kwargs: Any) -> Any:
         time.sleep(60.0)  # hung: the test kills it
         return original(*args, **kwargs)
 
     if rank == 1:
-        api.local_needs = late  # type: ignore[assignment]
+        demands.local_needs = late  # type: ignore[assignment]
     try:
         load_hf_checkpoint(chunks, checkpoint, settings=settings(timeout_s=1.0))
     except Exception as e:
