@@ -78,7 +78,7 @@ def check_layout(layout: Layout, config: Mapping[str, Any], checkpoint: str) -> 
 
 def check_architecture(config: Mapping[str, Any], checkpoint: str, *, loader_enabled: bool) -> None:
     """Raise :class:`DemoError` if the demo cannot build, or megastart cannot load, this model."""
-    from megastart.harness.model import SUPPORTED_MODEL_TYPES
+    from megastart.harness.config import SUPPORTED_MODEL_TYPES
 
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
