@@ -19,14 +19,24 @@ PAGE_CACHE = {
 
 def render(run: ConditionResult) -> str:
     """The human-readable report: one table, the limits, the targets, how it was measured."""
+    return "\n".join(
+        [
+            *_table(run),
+            *_traffic(run),
+            *_limits(run),
+            *_targets(run),
+            *_implementations(run),
+            *_how_measured(run),
+        ]
+    )
+
+
+def _table(run: ConditionResult) -> list[str]:
+    """The heading and one row per strategy."""
     gb = 1e9
     layout = run.layout
-    lim = run.limits
-    assert lim is not None
     strategies = run.strategies
-    reference = megastart_row(strategies)
-    ours = strategies[reference]
-    cold = run.page_cache == "cold"
+    ours = strategies[megastart_row(strategies)]
     cuda = run.device == "cuda"
     nodes = layout.ranks // run.ranks_per_node
     where = f"{nodes} simulated nodes of {run.ranks_per_node} ranks" if nodes > 1 else "one node"
@@ -60,7 +70,17 @@ def render(run: ConditionResult) -> str:
             )
             + f"  {'yes' if s.weights_match_megastart else 'NO'} ({len(s.checksums)} ranks)"
         )
-    if nodes > 1:
+    return lines
+
+
+def _traffic(run: ConditionResult) -> list[str]:
+    """What crossed between the simulated nodes, the bridge's memory, the capped reads."""
+    gb = 1e9
+    strategies = run.strategies
+    reference = megastart_row(strategies)
+    ours = strategies[reference]
+    lines: list[str] = []
+    if run.layout.ranks // run.ranks_per_node > 1:
         lines.append("")
         for name in megastart_rows(strategies):
             sent = strategies[name].bytes_between_nodes
@@ -86,6 +106,18 @@ def render(run: ConditionResult) -> str:
             f"{run.read_gbps:g} GB/s, as a parallel file system caps each client (one reader "
             f"needs {run.checkpoint_bytes / gb / run.read_gbps:.2f} s for the checkpoint).",
         ]
+    return lines
+
+
+def _limits(run: ConditionResult) -> list[str]:
+    """The limits measured in this run next to the strategies."""
+    gb = 1e9
+    layout = run.layout
+    lim = run.limits
+    assert lim is not None
+    reference = megastart_row(run.strategies)
+    cold = run.page_cache == "cold"
+    lines: list[str] = []
     lines += [
         "",
         f"x ms: ratio to {reference}'s figure. Limits measured in this run (the best of "
@@ -105,7 +137,7 @@ def render(run: ConditionResult) -> str:
             f"{lim.nccl_broadcast_gbps:.2f} GB/s, best of 3 ({lim.nccl_broadcast_s:.2f} s for "
             "the checkpoint).",
         ]
-    if cuda:
+    if run.device == "cuda":
         lines += [
             "",
             f"limit, the link: page-locked host memory into the GPU at "
@@ -115,26 +147,42 @@ def render(run: ConditionResult) -> str:
             "checkpoint bytes / wall; x link: that / the link's rate (every rank here shares "
             f"one GPU's link). megastart's page-locked staging: {staging_text(run)}.",
         ]
-    lines += [
-        "",
-        "targets (reported, not asserted):",
-    ]
-    if cold and lim.read_gbps > 0.5 * lim.page_cache_read_gbps:
-        lines[-2:-2] = [
+    return lines
+
+
+def _targets(run: ConditionResult) -> list[str]:
+    """Each target, met or not; first a warning where the cold figures may be warm ones."""
+    lim = run.limits
+    assert lim is not None
+    lines: list[str] = []
+    if run.page_cache == "cold" and lim.read_gbps > 0.5 * lim.page_cache_read_gbps:
+        lines += [
             "",
             "WARNING: reads after dropping the page cache ran at more than half the speed of "
             "cached ones: this file system may ignore POSIX_FADV_DONTNEED (tmpfs does), so the "
             "'cold' figures may be warm ones; put the checkpoint on a disk (--workdir).",
         ]
+    lines += ["", "targets (reported, not asserted):"]
     for target in run.targets.values():
         lines.append(
             f"  {'met    ' if target.met else 'NOT met'}  {target.value:7.3f} {target.target:<7} "
             f"{target.what}"
         )
-    lines += ["", "implementations:"]
-    lines += [f"  {name:<19} {s.implementation}" for name, s in strategies.items()]
-    samplers = [s.sampler for s in strategies.values()]
-    lines += [
+    return lines
+
+
+def _implementations(run: ConditionResult) -> list[str]:
+    strategies = run.strategies
+    return [
+        "",
+        "implementations:",
+        *(f"  {n:<19} {s.implementation}" for n, s in strategies.items()),
+    ]
+
+
+def _how_measured(run: ConditionResult) -> list[str]:
+    samplers = [s.sampler for s in run.strategies.values()]
+    return [
         "",
         "how it was measured:",
         "  wall s       each rank times its load between a barrier before and one after; the slowest"
@@ -157,7 +205,6 @@ def render(run: ConditionResult) -> str:
         " /proc/<pid>/io is not used: read_bytes misses what the page cache served (on one node"
         " the ranks share it), rchar misses mmap reads and counts gloo's socket traffic.",
     ]
-    return "\n".join(lines)
 
 
 def staging_text(run: ConditionResult) -> str:
