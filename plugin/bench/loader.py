@@ -58,6 +58,14 @@ READERS = ("global", "node", "striped", "auto")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _layout_arguments(parser.add_argument_group("layout"))
+    _checkpoint_arguments(parser.add_argument_group("checkpoint"))
+    _strategy_arguments(parser.add_argument_group("strategies"))
+    _measurement_arguments(parser.add_argument_group("measurement"))
+
+
+def _layout_arguments(parser: argparse._ActionsContainer) -> None:
+    """The layout: ranks, parallelism, devices, simulated nodes."""
     parser.add_argument("--ranks", type=int, default=4, help="world size (default: 4)")
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default: 2)")
     parser.add_argument("--pp", type=int, default=2, help="pipeline-parallel size (default: 2)")
@@ -92,6 +100,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "needs --device cuda, and each node leader a GPU of its own (--ranks-per-node 1: each "
         "GPU a simulated node); adds the limit of an NCCL broadcast between the leaders",
     )
+
+
+def _checkpoint_arguments(parser: argparse._ActionsContainer) -> None:
+    """The checkpoint."""
     parser.add_argument(
         "--size-gb", type=float, default=1.0, help="checkpoint size to generate, in GB (default: 1)"
     )
@@ -101,6 +113,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="load this HF checkpoint instead of generating one (--arch/--size-gb ignored)",
     )
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="write the generated checkpoint here and keep it (default: a temporary directory)",
+    )
+
+
+def _strategy_arguments(parser: argparse._ActionsContainer) -> None:
+    """What is compared."""
     parser.add_argument(
         "--strategies",
         default=",".join(STRATEGIES),
@@ -130,6 +152,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="megastart's rank0_loader.bucket_mb (default: the loader's default)",
     )
+
+
+def _measurement_arguments(parser: argparse._ActionsContainer) -> None:
+    """How it is measured and reported."""
     parser.add_argument(
         "--repeats",
         type=int,
@@ -150,12 +176,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--timeout-s", type=float, default=600.0, help="bound on every distributed step"
-    )
-    parser.add_argument(
-        "--workdir",
-        type=Path,
-        default=None,
-        help="write the generated checkpoint here and keep it (default: a temporary directory)",
     )
 
 

@@ -8,7 +8,7 @@ import os
 import platform
 import statistics
 from collections.abc import Callable
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, field, fields
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -48,113 +48,180 @@ def measure(
     """Run the limits and every strategy, once per page-cache condition; one result per
     condition. ``read_gbps`` caps each process's reads of the files; ``transport`` is
     megastart's between node leaders (with ``nccl``, its broadcast limit is measured too)."""
-    from megastart.bench import limits
     from megastart.bench.baselines import checkpoint_files
     from megastart.bench.packed import is_packed
     from megastart.loader.checkpoint import read_metadata
 
     meta = read_metadata(checkpoint, allow_pickle=False)
     files = checkpoint_files(meta)
-    checkpoint_bytes = sum(os.path.getsize(f) for f in files)
-    # Every strategy starts from the same state: the files cached, or dropped before each load.
-    # The first read caches them (with --checkpoint they may come off the storage); the
-    # second is the page cache's speed, which the cold runs' warning compares against.
-    limits.read_throughput(files)
-    cached_read = limits.read_throughput(files)
-    before_read: dict[str, Callable[[], None]] = {
-        condition: partial(limits.drop_from_page_cache, files)
-        if condition == "cold"
-        else _keep_cached
-        for condition in page_caches
-    }
-    probe = min(BROADCAST_PROBE_BYTES, checkpoint_bytes)
-    options = {"transport": transport, "progress": False, "timeout_s": timeout_s}
+    samples = _LimitSamples.start(files, page_caches)
+    probe = min(BROADCAST_PROBE_BYTES, samples.checkpoint_bytes)
+    options: dict[str, Any] = {"transport": transport, "progress": False, "timeout_s": timeout_s}
     if bucket_mb is not None:
         options["bucket_mb"] = bucket_mb
+    ranks_per_node = ranks_per_node or layout.ranks
     results = {
-        condition: ConditionResult(
-            page_cache=condition,
-            architecture=meta.architectures[0] if meta.architectures else None,
-            layout=layout,
+        condition: _condition(
+            condition,
+            meta,
+            checkpoint,
+            layout,
+            options,
+            checkpoint_bytes=samples.checkpoint_bytes,
+            files=len(files),
             device=device,
-            ranks_per_node=ranks_per_node or layout.ranks,
-            checkpoint=str(checkpoint),
-            checkpoint_bytes=checkpoint_bytes,
-            checkpoint_tensors=len(meta.tensors),
-            checkpoint_files=len(files),
-            machine=Machine(
-                cpus=os.cpu_count(),
-                platform=platform.platform(),
-                load_average_at_start=os.getloadavg()[0],
-            ),
-            megastart_settings=options,
+            ranks_per_node=ranks_per_node,
             read_gbps=read_gbps,
         )
         for condition in page_caches
     }
-    # The limits are measured next to every strategy (reads here, broadcasts in its world)
-    # and the best kept: the machine is shared, and a limit is what it can do at best.
-    reads: dict[str, list[tuple[int, float]]] = {condition: [] for condition in page_caches}
-    broadcasts: list[float] = []
-    links: list[float] = []
-    nccl: list[float] = []
-
-    def measure_reads(condition: str) -> None:
-        for _ in range(3):
-            before_read[condition]()
-            reads[condition].append(limits.read_throughput(files))
-
     for name in strategies:
-        measured, broadcast_s, link_gbps, nccl_s = _measure_strategy(
+        measured, *probes = _measure_strategy(
             name,
             checkpoint,
             layout,
             options,
-            before_load=before_read,
-            reads=measure_reads,
+            before_load=samples.before_read,
+            reads=samples.measure_reads,
             probe_bytes=probe,
             repeats=repeats,
             sample_s=sample_s,
             timeout_s=timeout_s,
             device=device,
-            ranks_per_node=ranks_per_node or layout.ranks,
+            ranks_per_node=ranks_per_node,
             read_gbps=read_gbps,
             packed=is_packed(meta.tensors),
         )
-        broadcasts.append(broadcast_s)
-        links.append(link_gbps)
-        nccl += [nccl_s] if nccl_s > 0 else []
+        samples.add(*probes)
         for condition, result in measured.items():
-            log.info(
-                "%s, page cache %s: %.2f s, node peak %.2f GB, transient %.2f GB",
-                name,
-                condition,
-                result.wall_s,
-                result.node_peak_bytes / 1e9,
-                result.transient_bytes / 1e9,
-            )
+            _log(name, condition, result)
             results[condition].strategies[name] = result
-    broadcast_s = min(broadcasts)
     for condition, run in results.items():
-        read_bytes, read_s = min(reads[condition], key=lambda r: r[1])
-        run.limits = Limits(
+        _conclude(run, samples.limits(condition, probe))
+    return [results[condition] for condition in page_caches]
+
+
+def _condition(
+    condition: str,
+    meta: Any,
+    checkpoint: Path,
+    layout: Layout,
+    options: dict[str, Any],
+    *,
+    checkpoint_bytes: int,
+    files: int,
+    device: str,
+    ranks_per_node: int,
+    read_gbps: float | None,
+) -> ConditionResult:
+    """One page-cache condition's result, before any strategy ran."""
+    return ConditionResult(
+        page_cache=condition,
+        architecture=meta.architectures[0] if meta.architectures else None,
+        layout=layout,
+        device=device,
+        ranks_per_node=ranks_per_node,
+        checkpoint=str(checkpoint),
+        checkpoint_bytes=checkpoint_bytes,
+        checkpoint_tensors=len(meta.tensors),
+        checkpoint_files=files,
+        machine=Machine(
+            cpus=os.cpu_count(),
+            platform=platform.platform(),
+            load_average_at_start=os.getloadavg()[0],
+        ),
+        megastart_settings=options,
+        read_gbps=read_gbps,
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class _LimitSamples:
+    """The limits, measured next to every strategy (reads here, broadcasts in its world):
+    the machine is shared, and a limit is what it can do at best, so the best is kept."""
+
+    files: list[str]
+    checkpoint_bytes: int
+    cached_read: tuple[int, float]
+    """Bytes and seconds of one read of the files from the page cache."""
+    reads: dict[str, list[tuple[int, float]]]
+    """Per page-cache condition, bytes and seconds of each read of the files."""
+    before_read: dict[str, Callable[[], None]]
+    """Per page-cache condition, what runs before each load and read: cold drops the files."""
+    broadcasts: list[float] = field(default_factory=list)
+    links: list[float] = field(default_factory=list)
+    nccl: list[float] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, files: list[str], page_caches: tuple[str, ...]) -> _LimitSamples:
+        """Every strategy starts from the same state: the files cached, or dropped before each
+        load. The first read caches them (with --checkpoint they may come off the storage);
+        the second is the page cache's speed, which the cold runs' warning compares against."""
+        from megastart.bench import limits
+
+        limits.read_throughput(files)
+        return cls(
+            files=files,
+            checkpoint_bytes=sum(os.path.getsize(f) for f in files),
+            cached_read=limits.read_throughput(files),
+            reads={condition: [] for condition in page_caches},
+            before_read={
+                condition: partial(limits.drop_from_page_cache, files)
+                if condition == "cold"
+                else _keep_cached
+                for condition in page_caches
+            },
+        )
+
+    def measure_reads(self, condition: str) -> None:
+        """Three reads of the files in ``condition`` (cold: each after dropping them)."""
+        from megastart.bench import limits
+
+        for _ in range(3):
+            self.before_read[condition]()
+            self.reads[condition].append(limits.read_throughput(self.files))
+
+    def add(self, broadcast_s: float, link_gbps: float, nccl_s: float) -> None:
+        self.broadcasts.append(broadcast_s)
+        self.links.append(link_gbps)
+        self.nccl += [nccl_s] if nccl_s > 0 else []
+
+    def limits(self, condition: str, probe: int) -> Limits:
+        read_bytes, read_s = min(self.reads[condition], key=lambda r: r[1])
+        broadcast_s, nccl, size = min(self.broadcasts), self.nccl, self.checkpoint_bytes
+        return Limits(
             read_gbps=read_bytes / read_s / 1e9,
             broadcast_gbps=probe / broadcast_s / 1e9,
-            read_s=checkpoint_bytes / (read_bytes / read_s),
-            broadcast_s=checkpoint_bytes / (probe / broadcast_s),
+            read_s=size / (read_bytes / read_s),
+            broadcast_s=size / (probe / broadcast_s),
             broadcast_probe_bytes=probe,
-            measurements=len(reads[condition]),
-            page_cache_read_gbps=cached_read[0] / cached_read[1] / 1e9,
-            host_to_device_gbps=max(links),
+            measurements=len(self.reads[condition]),
+            page_cache_read_gbps=self.cached_read[0] / self.cached_read[1] / 1e9,
+            host_to_device_gbps=max(self.links),
             nccl_broadcast_gbps=probe / min(nccl) / 1e9 if nccl else 0.0,
-            nccl_broadcast_s=checkpoint_bytes * min(nccl) / probe if nccl else 0.0,
+            nccl_broadcast_s=size * min(nccl) / probe if nccl else 0.0,
         )
-        run.machine.load_average_at_end = os.getloadavg()[0]
-        reference = run.strategies[megastart_row(run.strategies)].checksums
-        for result in run.strategies.values():
-            result.weights_match_megastart = result.checksums == reference
-        run.targets = targets(run)
-    return [results[condition] for condition in page_caches]
+
+
+def _log(name: str, condition: str, result: StrategyResult) -> None:
+    log.info(
+        "%s, page cache %s: %.2f s, node peak %.2f GB, transient %.2f GB",
+        name,
+        condition,
+        result.wall_s,
+        result.node_peak_bytes / 1e9,
+        result.transient_bytes / 1e9,
+    )
+
+
+def _conclude(run: ConditionResult, limits: Limits) -> None:
+    """A condition's limits, load at the end, weights compared with megastart's, targets."""
+    run.limits = limits
+    run.machine.load_average_at_end = os.getloadavg()[0]
+    reference = run.strategies[megastart_row(run.strategies)].checksums
+    for result in run.strategies.values():
+        result.weights_match_megastart = result.checksums == reference
+    run.targets = targets(run)
 
 
 def _measure_strategy(

@@ -169,7 +169,6 @@ def _planning(
     (:func:`~megastart.loader.plan.planning.handed_out`: a leader's with the group's nodes, a
     member's without)."""
     from megastart.distributed.control import scatter_parts
-    from megastart.distributed.wire import INLINE_BYTES
     from megastart.loader.mapping.mappings import mapping_for
     from megastart.loader.plan.buckets import build_plan
     from megastart.loader.plan.demands import WorldDemands
@@ -193,16 +192,8 @@ def _planning(
         outline = Outline(sizes, tuple(b.reader for b in plan.buckets), (0,))
         return plan, views, outline, summary
 
-    handed = summary = b""
-    down = 0
     plans = role == "reader" or len(nodes.members) == 1  # one node: every rank plans
-    if not plans:  # what the tree hands this node, made once, outside the timing
-        _, views, outline, summary = plan_all()
-        view = dict(views[nodes.leader_of[rank]])
-        if role == "member":  # the scatter's private part reaches the leader alone
-            del view[NODES]
-        handed = pickle.dumps((view, outline))
-        down = sum(8 + max(INLINE_BYTES, len(data)) for data in (summary, handed))
+    summary, handed, down = (b"", b"", 0) if plans else _handed_down(plan_all, nodes, rank, role)
     node = nodes.node_of(rank)
 
     def work() -> dict[str, Any]:
@@ -234,6 +225,22 @@ def _planning(
         return {"groups": len(made) + local, "between_leaders": len(made), "looked": looked}
 
     return work, down
+
+
+def _handed_down(
+    plan_all: Callable[[], tuple[Any, dict[int, Any], Any, bytes]], nodes: Any, rank: int, role: str
+) -> tuple[bytes, bytes, int]:
+    """What the tree hands ``rank``'s node (made once, outside the timing): rank 0's summary,
+    its node's view of the plan with the outline, and the bytes that reach it."""
+    from megastart.distributed.wire import INLINE_BYTES
+    from megastart.loader.plan.planning import NODES
+
+    _, views, outline, summary = plan_all()
+    view = dict(views[nodes.leader_of[rank]])
+    if role == "member":  # the scatter's private part reaches the leader alone
+        del view[NODES]
+    handed = pickle.dumps((view, outline))
+    return summary, handed, sum(8 + max(INLINE_BYTES, len(data)) for data in (summary, handed))
 
 
 def _best_cpu(repeats: int, work: Callable[[], Any]) -> float:
