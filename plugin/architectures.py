@@ -96,33 +96,65 @@ def predict(checkpoint: str) -> dict[str, Any]:
         out["built_in"] = f"the {mapping_table(meta).architectures[0]} table"
     except UnsupportedArchitecture:
         out["built_in"] = "none: left to the host"
-    quantisation = meta.quantisation
-    if quantisation is None:
-        out["quantisation"] = "none"
-    elif quantisation.weight_block is not None:
-        out["quantisation"] = (
-            f"{quantisation.method} ({quantisation.evidence}): dequantised by megastart"
-        )
-    elif quantisation.packing:
-        from megastart.loader.mapping.bridge import PACKED_HOOKS
-
-        bridge = PACKED_HOOKS[quantisation.packing].partition(".")[0]
-        out["quantisation"] = (
-            f"{quantisation.method} ({quantisation.evidence}): dequantised by megastart where "
-            f"the host's Megatron-Bridge is {bridge}; otherwise refused, or left to a host "
-            "that dequantises it"
-        )
-    else:
-        out["quantisation"] = (
-            f"{quantisation.method} ({quantisation.evidence}): refused, or left to a host that "
-            "dequantises it"
-        )
+    out["quantisation"] = _quantisation(meta.quantisation)
     bridges = megatron_bridge_architectures(_hf_config(checkpoint)).get("architectures")
     if bridges is not None:
         out["megatron_bridge"] = {
             a: bridges.get(a, {"served": "no", "why": "no bridge"}) for a in meta.architectures
         }
+    q = meta.quantisation
+    out["verdict"] = _verdict(
+        out,
+        refused=q is not None and q.weight_block is None and not q.packing,
+        built_in="table" in out["built_in"] and (q is None or not q.packing),
+    )
     return out
+
+
+def _quantisation(quantisation: Any) -> str:
+    """What happens to a checkpoint's quantisation."""
+    if quantisation is None:
+        return "none"
+    elif quantisation.weight_block is not None:
+        return f"{quantisation.method} ({quantisation.evidence}): dequantised by megastart"
+    elif quantisation.packing:
+        from megastart.loader.mapping.bridge import PACKED_HOOKS
+
+        bridge = PACKED_HOOKS[quantisation.packing].partition(".")[0]
+        return (
+            f"{quantisation.method} ({quantisation.evidence}): dequantised by megastart where "
+            f"the host's Megatron-Bridge is {bridge}; otherwise refused, or left to a host "
+            "that dequantises it"
+        )
+    return (
+        f"{quantisation.method} ({quantisation.evidence}): refused, or left to a host that "
+        "dequantises it"
+    )
+
+
+def _verdict(prediction: dict[str, Any], *, refused: bool, built_in: bool) -> str:
+    """One line: loaded by megastart, or left to the host, and why (``refused``: a quantisation
+    megastart never dequantises; ``built_in``: a built-in table loads it)."""
+    if refused:
+        return f"left to the host: its quantisation is {prediction['quantisation']}"
+    bridge = prediction.get("megatron_bridge", {})
+    served = [a for a, v in bridge.items() if v["served"] != "no"]
+    if built_in and (served or not bridge):
+        return "loaded by megastart"
+    if built_in:
+        why = "; ".join(v["why"] for v in bridge.values())
+        return (
+            "loaded by megastart through its built-in table (mbridge, AReaL, "
+            f"load_hf_checkpoint); where the host loads through Megatron-Bridge, left to it: {why}"
+        )
+    architectures = ", ".join(prediction["architectures"]) or "its architecture"
+    if served:
+        return (
+            "loaded by megastart where the host loads through Megatron-Bridge; left to the host "
+            f"otherwise (no built-in table for {architectures})"
+        )
+    why = "".join(f"; Megatron-Bridge: {v['why']}" for v in bridge.values())
+    return f"left to the host: no built-in table for {architectures}{why}"
 
 
 def _hf_config(checkpoint: str) -> Any:
@@ -167,4 +199,5 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"  quantisation:   {c['quantisation']}")
         for arch, v in c.get("megatron_bridge", {}).items():
             lines.append(f"  Megatron-Bridge ({arch}): {v['served']}: {v['why']}")
+        lines.append(f"verdict: {c['verdict']}")
     return "\n".join(lines)

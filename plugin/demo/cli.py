@@ -71,9 +71,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+DEMO_EXTRAS = ("transformers", "megatron.core", "psutil")
+"""What ``megastart[demo]`` installs that the demo's host needs (matplotlib only for the PNG)."""
+
+
 def run(args: argparse.Namespace) -> int:
     from megastart.demo.checks import Layout
 
+    _check_extras(DEMO_EXTRAS + (() if args.no_plot else ("matplotlib",)))
     started = time.perf_counter()
     set_by_demo = {} if BUCKET_ENV in os.environ else {BUCKET_ENV: DEMO_BUCKET_MB}
     os.environ.update(set_by_demo)  # the ranks inherit the environment
@@ -213,6 +218,26 @@ def _checkpoint(args: argparse.Namespace, layout: Any) -> Path:
             shutil.rmtree(tmp)
         print(f"made it in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return path
+
+
+def _check_extras(modules: tuple[str, ...]) -> None:
+    """Refuse, in one line, where the demo's extras are not installed (not a traceback later)."""
+    from importlib.util import find_spec
+
+    from megastart.errors import MegastartError
+
+    def missing(name: str) -> bool:
+        try:
+            return find_spec(name) is None
+        except (ImportError, ValueError):  # a parent package missing, or the module blocked
+            return True
+
+    absent = [name for name in modules if missing(name)]
+    if absent:
+        raise MegastartError(
+            f"needs {', '.join(absent)}, not installed here: pip install 'megastart[demo]' "
+            "(from a clone: pip install -e '.[demo]')"
+        )
 
 
 def _cache_dir() -> Path:

@@ -43,6 +43,7 @@ def test_predicts_a_checkpoint_plain_fp8_and_unknown(deepseek: Path, tmp_path: P
     plain = json.loads(architectures(str(deepseek), "--json"))["checkpoint"]
     assert plain["built_in"] == "the DeepseekV3ForCausalLM table"
     assert plain["quantisation"] == "none"
+    assert architectures(str(deepseek)).splitlines()[-1] == "verdict: loaded by megastart"
 
     fp8 = Path(shutil.copytree(deepseek, tmp_path / "fp8"))
     quantise_fp8(fp8)
@@ -56,7 +57,11 @@ def test_predicts_a_checkpoint_plain_fp8_and_unknown(deepseek: Path, tmp_path: P
     config = json.loads((unknown / "config.json").read_text())
     config["architectures"] = ["Qwen3NextForCausalLM"]
     (unknown / "config.json").write_text(json.dumps(config))
-    assert "built-in table: none: left to the host" in architectures(str(unknown))
+    text = architectures(str(unknown))
+    assert "built-in table: none: left to the host" in text
+    assert text.splitlines()[-1] == (
+        "verdict: left to the host: no built-in table for Qwen3NextForCausalLM"
+    )
 
 
 def test_predicts_an_mxfp4_release_dequantised_where_its_bridge_loads_it(tmp_path: Path) -> None:
@@ -78,3 +83,4 @@ def test_predicts_an_mxfp4_release_dequantised_where_its_bridge_loads_it(tmp_pat
         "megastart where the host's Megatron-Bridge is GPTOSSBridge"
         in architectures(str(directory))
     )
+    assert architectures(str(directory)).splitlines()[-1].startswith("verdict: left to the host")

@@ -114,6 +114,23 @@ def test_demo_table_png_and_json_exist_and_agree(tiny_checkpoint: Path, tmp_path
     assert step["all_ranks_updated"] and step["params_changed"] == step["params"]
 
 
+def test_demo_without_its_extras_says_in_one_line_what_to_install(tmp_path: Path) -> None:
+    """After the README's plain ``pip install -e .``: no traceback, one line naming the extra."""
+    blocked = "import sys; sys.modules['transformers'] = None; from megastart.cli import main; "
+    proc = subprocess.run(
+        [sys.executable, "-c", blocked + f"sys.exit(main(['demo', '--out', {str(tmp_path)!r}]))"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "megastart demo: needs transformers, not installed here: pip install 'megastart[demo]' "
+        "(from a clone: pip install -e '.[demo]')"
+    ]
+    assert not (tmp_path / "megastart-demo.json").exists()
+
+
 def test_layout_that_does_not_divide_the_model_fails_before_any_rank_starts(
     tiny_checkpoint: Path, tmp_path: Path
 ) -> None:
