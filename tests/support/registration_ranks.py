@@ -20,7 +20,7 @@ def straight_slots(checkpoint: str, layout: dict[str, int]) -> dict[str, Any]:
     from megastart.loader.stream.mappings import FileMappings
     from megastart.loader.stream.pagecache import Window
     from megastart.loader.stream.registration import blocks_in_order
-    from megastart.loader.stream.stream import consumers_of, goes_straight
+    from megastart.loader.stream.straight import consumers_of, goes_straight
 
     with megatron(layout):
         meta = read_metadata(checkpoint, allow_pickle=False)

@@ -10,6 +10,7 @@ Modules, in reading order:
 
 - ``phase``: the phase across ranks (route, roles, coverage);
 - ``stream``: the phase on one rank, what its roles share, applying buckets;
+- ``sources``, ``straight``: where a bucket's slots are read from, which go straight to CUDA;
 - ``roles``: which role a rank takes, and the takers' (copying their slices);
 - ``readers``: the reading roles (the reader, striped readers);
 - ``crossing``: buckets between nodes (broadcasts, a leader's relay);

@@ -8,7 +8,7 @@ from collections import deque
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from megastart.loader.stream.stream import InUse, Payload
+from megastart.loader.stream.sources import InUse, Payload
 from megastart.loader.stream.transport import IN_FLIGHT, Channel, ReaderError
 
 if TYPE_CHECKING:
@@ -29,12 +29,8 @@ def relay(stream: Stream) -> tuple[int, int]:
             used = receive(stream, leaders, index, buffers, free, staging)
             if used is None:
                 continue
-            in_use.append(used)
-            if len(in_use) == IN_FLIGHT:
-                stream.finish(in_use.popleft())
-        while in_use:
-            stream.finish(in_use.popleft())
-        stream.drain()
+            stream.hold(in_use, used)
+        stream.settle(in_use)
     return 0, 0
 
 

@@ -19,8 +19,9 @@ from megastart.loader.stream.frontier import Frontier
 from megastart.loader.stream.pagecache import Window
 from megastart.loader.stream.prefetch import READ_PART_BYTES, Prefetcher, fill
 from megastart.loader.stream.progress import Progress
-from megastart.loader.stream.stream import BUFFERS, InUse, Payload, Source
-from megastart.loader.stream.transport import IN_FLIGHT, Channel
+from megastart.loader.stream.sources import InUse, Payload, Source
+from megastart.loader.stream.stream import BUFFERS
+from megastart.loader.stream.transport import Channel
 
 if TYPE_CHECKING:
     import torch
@@ -60,12 +61,8 @@ def read(stream: Stream, settings: Rank0LoaderSettings) -> tuple[int, int]:
                     source.release()
                 del source
                 progress.advance(bucket.nbytes)
-                in_use.append(used)
-                if len(in_use) == IN_FLIGHT:
-                    stream.finish(in_use.popleft())
-            while in_use:
-                stream.finish(in_use.popleft())
-            stream.drain()
+                stream.hold(in_use, used)
+            stream.settle(in_use)
             reader.check_unchanged()  # the bytes sent were one version of the checkpoint
         finally:
             prefetch.close()
@@ -143,12 +140,8 @@ def read_share(stream: Stream, settings: Rank0LoaderSettings) -> tuple[int, int]
                     used.done = stream.announce(index, BUFFERS + buffer, bucket.nbytes)
                     stream.apply(index, source)
                     del source
-                in_use.append(used)
-                if len(in_use) == IN_FLIGHT:
-                    stream.finish(in_use.popleft())
-            while in_use:
-                stream.finish(in_use.popleft())
-            stream.drain()
+                stream.hold(in_use, used)
+            stream.settle(in_use)
             if share:  # the bytes sent were one version of the checkpoint
                 reader.check_unchanged()
         finally:

@@ -28,7 +28,7 @@ from megastart.loader.settings import Rank0LoaderSettings
 from megastart.loader.stream.crossing import relay
 from megastart.loader.stream.pagecache import Window
 from megastart.loader.stream.readers import read, read_share
-from megastart.loader.stream.stream import Payload
+from megastart.loader.stream.sources import Payload
 from megastart.loader.stream.transport import IN_FLIGHT
 
 if TYPE_CHECKING:

@@ -18,12 +18,12 @@ stops it at once, and a stall is named after ``timeout_s``.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any
 
-from megastart.loader.checkpoint import ITEMSIZE, CheckpointMeta
+from megastart.loader.checkpoint import CheckpointMeta
 from megastart.loader.mapping.dequantise import BlockScaled
 from megastart.loader.mapping.needs import Need
 from megastart.loader.mapping.transforms import TRANSFORMS, Rows, Shard
@@ -34,9 +34,10 @@ from megastart.loader.stream.copier import Copier
 from megastart.loader.stream.frontier import Frontier
 from megastart.loader.stream.mappings import FileMappings
 from megastart.loader.stream.node import node_segment
-from megastart.loader.stream.prefetch import slot_view
 from megastart.loader.stream.route import Route
 from megastart.loader.stream.shm import Segment
+from megastart.loader.stream.sources import InUse, Source
+from megastart.loader.stream.straight import consumers_of, goes_straight
 from megastart.loader.stream.transport import IN_FLIGHT, Channel
 
 if TYPE_CHECKING:
@@ -86,7 +87,7 @@ class Stream:
 
     def straight_slots(self, bucket: Bucket) -> list[Slot]:
         """The slots of ``bucket`` this rank copies a piece of straight out of the registered page
-        cache (:func:`goes_straight`): the only ones whose blocks are worth registering."""
+        cache (:func:`~megastart.loader.stream.straight.goes_straight`): the only ones whose blocks are worth registering."""
         return [
             slot
             for slot in self.mine(bucket)
@@ -124,6 +125,18 @@ class Stream:
             self.reported(used.done)
         if used.release is not None:
             used.release()
+
+    def hold(self, in_use: deque[InUse], used: InUse) -> None:
+        """Keep ``used`` in flight, finishing the oldest once :data:`IN_FLIGHT` are."""
+        in_use.append(used)
+        if len(in_use) == IN_FLIGHT:
+            self.finish(in_use.popleft())
+
+    def settle(self, in_use: deque[InUse]) -> None:
+        """Finish every bucket still in flight, then :meth:`drain`."""
+        while in_use:
+            self.finish(in_use.popleft())
+        self.drain()
 
     def reported(self, work: Any, what: str = "copied their slices of a bucket") -> None:
         """Wait for the node's ranks' report over :attr:`Route.done` (watching the board)."""
@@ -262,87 +275,3 @@ class Stream:
             self._rows_left[scale] -= slot.rows.stop - slot.rows.start
             if self._rows_left[scale] <= 0:
                 del self._rows_left[scale], self.scales[scale]
-
-
-def consumers_of(needs: list[Need]) -> dict[str, list[tuple[Need, int]]]:
-    """HF tensor name -> the needs that take it, and as which input."""
-    consumers: dict[str, list[tuple[Need, int]]] = {}
-    for need in needs:
-        for index, name in enumerate(need.inputs):
-            consumers.setdefault(name, []).append((need, index))
-    return consumers
-
-
-def goes_straight(
-    slot: Slot,
-    meta: CheckpointMeta,
-    consumers: list[tuple[Need, int]],
-    tensors: dict[tuple[int, str], torch.Tensor],
-    shard: Shard,
-) -> bool:
-    """Whether :meth:`Stream.apply` copies a piece of ``slot`` from the page cache into CUDA
-    straight (:meth:`~megastart.loader.stream.copier.Copier.copy`): a contiguous view of the file's
-    bytes, in its parameter's dtype, into a contiguous slice of it. Not a strided piece (a
-    row-parallel slice's columns), a converted or computed one, a quantised weight or its
-    scales, or a tensor the file does not align. Worked out on meta tensors: nothing is read."""
-    import torch
-
-    entry = meta.tensors[slot.name]
-    if entry.row_range(slot.rows.start, slot.rows.stop).start % ITEMSIZE[entry.dtype]:
-        return False  # copied out of the mapping first (:meth:`Window.view`)
-    held = torch.empty(slot.shape, dtype=getattr(torch, entry.dtype), device="meta")
-    for need, index in consumers:
-        if index >= len(need.hf) or (need.scales and need.scales[index]):
-            continue
-        param = tensors[(need.param.chunk, need.param.local_name)]
-        for first, stop, piece in TRANSFORMS[need.transform].blocks(
-            index, held, slot.rows, need.param.shape, shard
-        ):
-            if (
-                (piece is held or piece._base is held)
-                and piece.dtype == param.dtype
-                and piece.is_contiguous()
-                and param.data[first:stop].is_contiguous()
-            ):
-                return True
-    return False
-
-
-class Source(Protocol):
-    """Where a rank finds a bucket's slots: a buffer, or the files' pages (:class:`Window`)."""
-
-    @property
-    def page_locked(self) -> bool:
-        """Whether the bytes are in memory registered with CUDA, with CUDA parameters."""
-        ...
-
-    def view(self, slot: Slot) -> torch.Tensor: ...
-
-    def read_into(self, target: torch.Tensor, piece: torch.Tensor) -> bool:
-        """``target[...] = piece`` (a piece of :meth:`view`) without a copy out of memory, where
-        the source can; ``False``: the caller copies it."""
-        ...
-
-
-@dataclass(frozen=True, slots=True)
-class Payload:
-    """A bucket's bytes in a buffer (a buffer of shared memory, a received broadcast)."""
-
-    data: torch.Tensor
-    page_locked: ClassVar[bool] = True
-    """With CUDA parameters, every buffer of the loader is page-locked (:meth:`Stream.buffers`)."""
-
-    def read_into(self, target: torch.Tensor, piece: torch.Tensor) -> bool:
-        return False
-
-    def view(self, slot: Slot) -> torch.Tensor:
-        return slot_view(self.data, slot)
-
-
-@dataclass(slots=True)
-class InUse:
-    """A bucket some rank still reads: its broadcasts to other nodes, the node's report, its buffer."""
-
-    sends: list[Any] = field(default_factory=list)
-    done: Any = None
-    release: Callable[[], None] | None = None
