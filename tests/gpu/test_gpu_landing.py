@@ -13,6 +13,7 @@ import pytest
 import torch
 from support.gpu_loads import failing_load_into_cuda, load_into_cuda
 from support.loader_ranks import load_parameters
+from test_gpu_warm_loads import MODELS, assert_same, checkpoints, files_of, warm
 
 from megastart.bench.limits import drop_from_page_cache
 from megastart.harness.launch import RankPool
@@ -22,18 +23,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
-MODELS = {"llama-tp2": ("llama", {"tp": 2}), "qwen3_moe-ep2": ("qwen3_moe", {"ep": 2})}
 PREADS = {"cuda_copy": "preads"}
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from megastart.harness.checkpoints import make_checkpoint
-
-    return {
-        name: make_checkpoint(arch, tmp_path_factory.mktemp(name))
-        for name, (arch, _) in MODELS.items()
-    }
+__all__ = ["checkpoints"]  # the module's fixture, shared
 
 
 @pytest.mark.parametrize("route", ["page_cache", "shared_memory"])
@@ -43,17 +34,12 @@ def test_slices_cut_on_the_gpu_equal_the_cpu_load_partly_in_the_page_cache(
 ) -> None:
     directory, layout = checkpoints[model], MODELS[model][1]
     expected = rank_pools[2].run(load_parameters, str(directory), layout, {})  # CPU parameters
-    files = sorted(directory.glob("*.safetensors"))
-    for file in files:
-        file.read_bytes()
-    drop_from_page_cache([str(f) for f in files[::2]])
+    warm(directory)
+    drop_from_page_cache([str(f) for f in files_of(directory)[::2]])
     overrides = {**PREADS, "reader_node": route}
     loaded = rank_pools[2].run(load_into_cuda, str(directory), layout, overrides)
-    for (_, cpu), cuda in zip(expected, loaded, strict=True):
-        assert cpu.keys() == cuda["params"].keys()
-        for name, value in cpu.items():
-            assert torch.equal(value, cuda["params"][name]), name
-        # the staging chunks, page-locked and let go again
+    assert_same(expected, loaded)
+    for cuda in loaded:  # the staging chunks, page-locked and let go again
         assert cuda["registered"]
         assert sorted(a for a, _ in cuda["registered"]) == sorted(
             a for a, _ in cuda["unregistered"]

@@ -8,15 +8,14 @@ read error reaches every rank."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from support.loader_ranks import build, load_expecting_error, megatron, settings
+from support.loader_ranks import build, megatron, settings
 from support.quantise import fp8_and_reference
-from test_loader_page_cache import drop, resident_fraction
+from test_loader_page_cache import drop, load_with_a_failing_pread, resident_fraction
 
 from megastart.harness.launch import RankPool
 from megastart.loader.stream import landing, preads
@@ -124,27 +123,11 @@ def test_a_checkpoint_partly_in_the_page_cache_lands_bit_exact_by_pread(
             assert torch.equal(got[name], value), name
 
 
-def load_with_a_failing_pread(checkpoint: str, failing: int) -> str:
-    """Load with every ``pread`` of rank ``failing`` failing as a disk would (``EIO``)."""
-    import torch.distributed as dist
-
-    original = os.preadv
-
-    def preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
-        raise OSError(5, "Input/output error")
-
-    os.preadv = preadv if dist.get_rank() == failing else original
-    try:
-        return load_expecting_error(checkpoint, {"tp": 2}, {**PREADS, "reader_node": "page_cache"})
-    finally:
-        os.preadv = original
-
-
 @pytest.mark.parametrize("failing", [0, 1])
 def test_a_read_error_into_a_ranks_chunks_reaches_every_rank_naming_the_file(
     rank_pools: dict[int, RankPool], checkpoints: dict[str, str], failing: int
 ) -> None:
-    messages = rank_pools[2].run(load_with_a_failing_pread, checkpoints["llama"], failing)
+    messages = rank_pools[2].run(load_with_a_failing_pread, checkpoints["llama"], failing, PREADS)
     assert len(set(messages)) == 1, messages
     assert messages[0].startswith("CollectiveError: rank0_loader: streaming")
     assert f"on rank {failing}: OSError: reading" in messages[0]
