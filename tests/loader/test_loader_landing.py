@@ -70,18 +70,23 @@ def load(
     return loaded, read[0], landed[0]
 
 
+SHM = "shared_memory"
 CASES = [
-    pytest.param("llama", {"tp": 2}, {}, "", id="llama-tp2"),
-    pytest.param("llama", {"tp": 2}, TINY, "", id="llama-tp2-row_blocks"),
-    pytest.param("llama", {"tp": 2}, {}, "float32", id="llama-tp2-bf16_into_fp32"),
-    pytest.param("qwen3_moe", {"ep": 2}, TINY, "", id="qwen3_moe-ep2-row_blocks"),
-    pytest.param("qwen3_moe", {"tp": 2, "ep": 2, "etp": 1}, {}, "", id="qwen3_moe-tp2_ep2"),
-    pytest.param("fp8", {"tp": 2}, TINY, "", id="fp8-tp2-row_blocks"),
+    pytest.param("llama", {"tp": 2}, {}, "", "page_cache", id="llama-tp2"),
+    pytest.param("llama", {"tp": 2}, {}, "", SHM, id="llama-tp2-shm"),
+    pytest.param("llama", {"tp": 2}, TINY, "", "page_cache", id="llama-tp2-row_blocks"),
+    pytest.param("llama", {"tp": 2}, {}, "float32", "page_cache", id="llama-tp2-bf16_into_fp32"),
+    pytest.param("qwen3_moe", {"ep": 2}, TINY, "", "page_cache", id="qwen3_moe-ep2-row_blocks"),
+    pytest.param("qwen3_moe", {"ep": 2}, TINY, "", SHM, id="qwen3_moe-ep2-row_blocks-shm"),
+    pytest.param(
+        "qwen3_moe", {"tp": 2, "ep": 2, "etp": 1}, {}, "", "page_cache", id="qwen3_moe-tp2_ep2"
+    ),
+    pytest.param("fp8", {"tp": 2}, TINY, "", "page_cache", id="fp8-tp2-row_blocks"),
+    pytest.param("fp8", {"tp": 2}, TINY, "", SHM, id="fp8-tp2-row_blocks-shm"),
 ]
 
 
-@pytest.mark.parametrize("route", ["page_cache", "shared_memory"])
-@pytest.mark.parametrize(("model", "layout", "overrides", "params_dtype"), CASES)
+@pytest.mark.parametrize(("model", "layout", "overrides", "params_dtype", "route"), CASES)
 def test_slices_cut_on_the_device_equal_todays_copies(
     rank_pools: dict[int, RankPool],
     checkpoints: dict[str, str],
