@@ -43,10 +43,10 @@ log = logging.getLogger("megastart")
 HELP = "megastart's loader against every-rank, stage-reader and mmap-slice loading"
 
 STRATEGIES = ("megastart", "megastart_shm", "every_rank_full", "stage_reader", "mmap_slices")
-OPTIONAL_STRATEGIES = ("megastart_registry", "megastart_registered", "bridge")
+OPTIONAL_STRATEGIES = ("megastart_registry", "megastart_registered", "megastart_staged", "bridge")
 """Strategies run only when asked for: ``megastart_registry`` and ``bridge`` (Megatron-Bridge's
-own load) need Megatron-Bridge; ``megastart_registered`` differs from ``megastart`` only with
-``--device cuda``."""
+own load) need Megatron-Bridge; ``megastart_registered`` and ``megastart_staged`` differ from
+``megastart`` only with ``--device cuda``."""
 BY_BRIDGE = ("megastart_registry", "bridge")
 PACKED_ARCH = "qwen3_moe_packed"
 """``--arch``: Qwen3-MoE with its routed experts packed per layer, as Qwen3.5-MoE and

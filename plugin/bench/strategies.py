@@ -10,7 +10,9 @@ only how the bytes get from the files to the ranks differs (the baselines:
   their slices from the page cache, other nodes' from shared memory).
 * ``megastart_shm``: the same with ``reader_node=shared_memory`` (shared memory everywhere).
 * ``megastart_registered``: the same with ``cuda_copy=registered`` (into CUDA straight out of
-  the page cache registered with CUDA, the rest through the staging ring).
+  the page cache registered with CUDA, the rest through the staging ring);
+  ``megastart_staged``: with ``cuda_copy=staged`` (all through the staging ring, filled out of
+  the files' mappings: the route before the GPU cut).
 * ``megastart_registry``: the same, with the mapping from Megatron-Bridge's registry for the
   checkpoint's architecture (as on verl 0.9's default branch), where Megatron-Bridge imports.
 * ``bridge``: Megatron-Bridge's own load (``AutoBridge.load_hf_weights``), where it imports;
@@ -54,6 +56,10 @@ IMPLEMENTATIONS = {
         "real: megastart.load_hf_checkpoint with cuda_copy=registered (into CUDA straight out "
         "of the page cache registered with CUDA read-only, the rest through page-locked staging)"
     ),
+    "megastart_staged": (
+        "real: megastart.load_hf_checkpoint with cuda_copy=staged (into CUDA through page-locked "
+        "staging chunks filled out of the files' mappings, cut on the CPU)"
+    ),
     "bridge": (
         "real: Megatron-Bridge's AutoBridge.load_hf_weights(chunks, checkpoint) (a packed-experts "
         "checkpoint: its model bridge with the packed mappings 0.6 gives Qwen3.5-MoE, "
@@ -82,6 +88,7 @@ MEGASTART_ROUTES = {
     "megastart_shm": {"reader_node": "shared_memory"},
     "megastart_registry": {},
     "megastart_registered": {"cuda_copy": "registered"},
+    "megastart_staged": {"cuda_copy": "staged"},
 }
 """The strategies that are megastart, and the settings each adds to the benchmark's."""
 

@@ -39,15 +39,18 @@ class Rank0LoaderSettings:
     receive into shared memory; ``.bin`` checkpoints, and kernels without
     ``MADV_POPULATE_READ`` (before Linux 5.14), always use shared memory."""
 
-    cuda_copy: Literal["registered", "staged"] = "staged"
-    """How a rank of the reader's node copies from the page cache into CUDA parameters
-    (:mod:`megastart.loader.stream.copier`): ``registered``, straight out of the page cache, its
-    blocks registered with CUDA (read-only) on a thread of their own while the copies run,
-    and what is not registered yet through page-locked staging; ``staged``, all through
-    page-locked staging chunks filled on the rank's share of the node's cores. A driver
-    that refuses registration gets ``staged``, with one log line. ``staged`` is the default
-    until a GPU run has timed the two routes against each other (issue #40: both load
-    bit-exact on an H100, neither is timed yet; ``staged`` is the plainer of the two)."""
+    cuda_copy: Literal["auto", "preads", "registered", "staged"] = "auto"
+    """How a rank copies into CUDA parameters (:mod:`megastart.loader.stream.copier`):
+    ``preads`` (what ``auto`` means for CUDA parameters), the ranges of each bucket its
+    pieces lie in read by ``pread`` into page-locked chunks on several threads (a buffer of
+    the node copied straight), and cut on the GPU in a device buffer of a bucket
+    (:mod:`megastart.loader.stream.landing`); ``registered``, straight out of the page
+    cache, its blocks registered with CUDA (read-only) on a thread of their own while the
+    copies run, and what is not registered yet through page-locked staging; ``staged``,
+    all through page-locked staging chunks filled out of the files' mappings on the rank's
+    share of the node's cores. A driver that refuses registration gets ``staged``, with
+    one log line. ``auto`` leaves CPU parameters to their own copies; ``preads`` takes them
+    through the same route as CUDA ones (how CI checks it)."""
 
     bucket_mb: float = 32.0
     """Tensors are streamed in buckets of at most this many MiB (a tensor larger than

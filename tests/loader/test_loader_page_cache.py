@@ -158,7 +158,9 @@ def test_a_read_error_on_a_range_not_in_the_page_cache_reaches_every_rank(
     assert "Input/output error" in messages[0]
 
 
-def load_with_a_failing_pread(checkpoint: str, failing: int) -> str:
+def load_with_a_failing_pread(
+    checkpoint: str, failing: int, overrides: dict[str, object] | None = None
+) -> str:
     """Load with every ``pread`` of rank ``failing`` failing as a disk would (``EIO``)."""
     import torch.distributed as dist
 
@@ -169,7 +171,8 @@ def load_with_a_failing_pread(checkpoint: str, failing: int) -> str:
 
     os.preadv = preadv if dist.get_rank() == failing else original
     try:
-        return load_expecting_error(checkpoint, {"tp": 2}, {"reader_node": "page_cache"})
+        settings = {"reader_node": "page_cache", **(overrides or {})}
+        return load_expecting_error(checkpoint, {"tp": 2}, settings)
     finally:
         os.preadv = original
 

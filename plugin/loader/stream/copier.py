@@ -29,11 +29,15 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from megastart.loader.stream import registration
+from megastart.loader.stream.landing import Landing
 from megastart.loader.stream.staging import CHUNK_BYTES, Fence, Ring, chunk_count
 
 if TYPE_CHECKING:
     import torch
 
+    from megastart.loader.checkpoint import CheckpointMeta
+    from megastart.loader.mapping.needs import Need
+    from megastart.loader.mapping.transforms import Shard
     from megastart.loader.plan.buckets import Plan, Slot
     from megastart.loader.stream.mappings import FileMappings
 
@@ -51,6 +55,9 @@ class Copier:
 
     def __init__(self, device: torch.device, threads: int) -> None:
         self._device = device
+        self._threads = threads
+        self._memory: list[torch.Tensor] = []
+        """The staging ring's chunks (page-locked unless CUDA refused)."""
         cuda = device.type == "cuda"
         self._pool = ThreadPoolExecutor(threads, "megastart-copy") if cuda and threads > 1 else None
         self._direct = False
@@ -98,6 +105,18 @@ class Copier:
             lambda block: drop_pages(block.mapping, block.offset, block.nbytes),
         )
 
+    def landing(
+        self,
+        meta: CheckpointMeta,
+        consumers: dict[str, list[tuple[Need, int]]],
+        tensors: dict[tuple[int, str], torch.Tensor],
+        shard: Shard,
+    ) -> Landing:
+        """Where this rank's slots land to be cut on its device, through the staging ring's
+        chunks and threads (:mod:`megastart.loader.stream.landing`)."""
+        args = (meta, consumers, tensors, shard, self._memory, self._pool, self._threads)
+        return Landing(self._device, *args)
+
     @contextmanager
     def batch(self) -> Iterator[None]:
         """Copies made inside have read their sources when it ends (a thread's error is raised
@@ -119,7 +138,7 @@ class Copier:
     def copy(self, target: torch.Tensor, source: torch.Tensor, page_locked: bool) -> None:
         """``target[...] = source`` (converting the dtype), inside a :meth:`batch`;
         ``page_locked``: ``source`` is in memory registered with CUDA."""
-        if target.device.type != "cuda":
+        if target.device.type != "cuda" or source.device == target.device:
             target.copy_(source)
         elif page_locked and source.is_contiguous():
             target.copy_(source, non_blocking=True)
@@ -154,6 +173,7 @@ class Copier:
                     )
                 self._locked.clear()
                 self._ring = None  # each chunk is unmapped with its last view
+                self._memory = []
 
     def _log_routes(self, registrations: registration.Registrations) -> None:
         """One line: how this rank's bytes reached the GPU, and what registering cost."""
@@ -207,6 +227,7 @@ class Copier:
                 "(slower): %s (the locked-memory limit, ulimit -l)",
                 refused,
             )
+        self._memory = memory
         self._ring = Ring(memory, self._pool, _send_to_gpu)
 
 

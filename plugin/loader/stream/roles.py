@@ -41,6 +41,8 @@ def run(stream: Stream, settings: Rank0LoaderSettings) -> tuple[int, int]:
     try:
         return _in_role(stream, settings)
     finally:
+        if stream.landing is not None:
+            stream.landing.close()
         stream.mappings.close()
 
 
@@ -48,6 +50,12 @@ def _in_role(stream: Stream, settings: Rank0LoaderSettings) -> tuple[int, int]:
     route = stream.route
     if route.page_cache and settings.cuda_copy == "registered":
         stream.copier.register_ahead(stream.mappings, stream.plan, stream.straight_slots)
+    elif settings.cuda_copy == "preads" or (
+        settings.cuda_copy == "auto" and route.device.type == "cuda"
+    ):
+        stream.landing = stream.copier.landing(
+            stream.meta, stream.consumers, stream.tensors, stream.shard
+        )
     if route.striped and route.leads:
         return read_share(stream, settings)
     if route.position == 0:

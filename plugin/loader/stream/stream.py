@@ -32,6 +32,7 @@ from megastart.loader.plan.buckets import Bucket, Plan, Slot
 from megastart.loader.plan.verify import Coverage
 from megastart.loader.stream.copier import Copier
 from megastart.loader.stream.frontier import Frontier
+from megastart.loader.stream.landing import Landing
 from megastart.loader.stream.mappings import FileMappings
 from megastart.loader.stream.node import node_segment
 from megastart.loader.stream.route import Route
@@ -80,6 +81,7 @@ class Stream:
         """How many of :attr:`local` the leader has announced."""
         self.mappings = FileMappings(meta)
         """The checkpoint's files, mapped once for the load (the page-cache route)."""
+        self.landing: Landing | None = None  # where slots land to be cut on the device (roles)
 
     def mine(self, bucket: Bucket) -> list[Slot]:
         """The slots of ``bucket`` this rank copies from."""
@@ -220,6 +222,8 @@ class Stream:
         import torch
 
         with torch.no_grad(), self.copier.batch():
+            if self.landing is not None:  # cut on the parameters' device
+                source = self.landing.land(slots or self.plan.buckets[index].slots, source)
             for slot in self.plan.buckets[index].slots if slots is None else slots:
                 for need, input_index in self.consumers.get(slot.name, ()):
                     if input_index >= len(need.hf):  # a quantised weight's scales: kept for it
@@ -253,12 +257,11 @@ class Stream:
         return BlockScaled(held, scales, quantisation.weight_block, dtype, rows.start)
 
     def _keep_scale(self, slot: Slot, rows: torch.Tensor) -> None:
-        import torch
 
         scale = self.scales.get(slot.name)
         if scale is None:
             shape = self.meta.tensors[slot.name].shape
-            scale = self.scales[slot.name] = torch.empty(shape, dtype=rows.dtype)
+            scale = self.scales[slot.name] = rows.new_empty(shape)
             quantisation = self.meta.quantisation
             weight = quantisation.weight_of(slot.name) if quantisation else None
             if weight is not None and self.meta.tensors[weight].shape:
