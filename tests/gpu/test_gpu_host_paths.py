@@ -18,7 +18,7 @@ import pytest
 from packaging.version import Version
 from support.gpu_ranks import bridge_and_megastart, mbridge_and_megastart
 
-from megastart.harness.launch import RankPool
+from megastart.harness.launch import RankFailure, RankPool
 
 
 def installed(name: str) -> str | None:
@@ -36,6 +36,13 @@ MBRIDGE_RUNS = MBRIDGE_HERE["mbridge"] == "0.15.1" and Version(
 ) < Version("0.17")
 
 CASES = ["qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe"]
+
+MBRIDGE_UPSTREAM_FAILURES = {
+    "deepseek_v3": "MLATransformerConfig.__init__() got an unexpected keyword argument "
+    "'max_position_embeddings'",
+}
+"""Cases that fail inside mbridge 0.15.1's own ``_build_config`` on megatron-core 0.16.1, before
+any load (run of 2026-12-07): expected failures by their message; any other error fails."""
 
 
 @pytest.mark.skipif(AREAL_HERE != AREAL, reason=f"AReaL's versions {AREAL}; here {AREAL_HERE}")
@@ -56,7 +63,13 @@ def test_areal_bridge_route_loads_te_models_bit_for_bit(
 def test_mbridge_route_loads_te_models_bit_for_bit(
     nccl: RankPool, checkpoint: Any, name: str
 ) -> None:
-    (got,) = nccl.run(mbridge_and_megastart, checkpoint(name), "cuda")
+    try:
+        (got,) = nccl.run(mbridge_and_megastart, checkpoint(name), "cuda")
+    except RankFailure as e:
+        upstream = MBRIDGE_UPSTREAM_FAILURES.get(name)
+        if upstream is not None and upstream in str(e):
+            pytest.xfail(f"mbridge 0.15.1's own _build_config, before any load: {upstream}")
+        raise
     print(f"GPU-RESULT mbridge {name}: {got}")
     assert got["te_modules"] > 0
     assert not got["bridge_left_nan"] and not got["differs"], got
