@@ -239,5 +239,18 @@ def bridge_with_a_hook_of_its_own(auto: Any) -> Any:
     return bridge
 
 
+def unknown_subclass(auto: Any) -> Any:
+    """The checkpoint's model bridge replaced by a subclass of its registered class that
+    changes nothing megastart could see (as a host's own patch would be)."""
+    base = auto._model_bridge
+
+    class PatchedBridge(type(base)):  # type: ignore[misc]
+        pass
+
+    bridge = PatchedBridge()
+    bridge.hf_config = base.hf_config
+    return bridge
+
+
 def the_auto_bridges_model_bridge(auto: Any) -> Any:
     return auto._model_bridge

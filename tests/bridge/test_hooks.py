@@ -1,0 +1,92 @@
+"""Megatron-Bridge's per-weight hooks as data (:mod:`megastart.loader.mapping.hooks`), and the
+layouts that came with the eleven architectures 0.6.2 left to the bridge: Gemma 4's derived K
+and V, MiMo-V2-Flash's narrower V heads, Mamba's ``in_proj``, a permuted ``AutoMapping``.
+Each is compared, on each of two TP ranks, with the bridge's own hook and mapping on the same
+tensors (:mod:`support.hook_ranks`); a derived tensor is read once, from its source.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from importlib.metadata import version
+from typing import Any
+
+import pytest
+import torch
+
+if importlib.util.find_spec("megatron.bridge") is None:
+    pytest.skip("Megatron-Bridge is not installed here", allow_module_level=True)
+
+from support import hook_ranks
+
+from megastart.harness.launch import RankPool
+
+CASES = {  # the rank function, what its transform's name starts with, HF tensors it reads
+    "gemma4-v_is_k": (hook_ranks.gemma4_qkv, ("v",), "interleave:", 2),
+    "gemma4-zero_kv": (hook_ranks.gemma4_qkv, ("kv",), "interleave:", 1),
+    "mimo_v2_flash-qkv": (hook_ranks.mimo_v2_flash_qkv, (), "interleave:", 3),
+    "mamba-in_proj": (hook_ranks.mamba_in_proj, (), "interleave:", 1),
+    "permuted-projector": (hook_ranks.permuted_projector, (), "permuted:1.0:", 1),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_megastart_places_what_the_bridges_hook_and_mapping_make_on_each_tp_rank(
+    rank_pools: dict[int, RankPool], case: str
+) -> None:
+    function, args, transform, reads = CASES[case]
+    for rank, (theirs, ours, name, hf) in enumerate(rank_pools[2].run(function, *args)):
+        assert name.startswith(transform), name
+        assert len(hf) == len(set(hf)) == reads, f"rank {rank}: reads {hf}"
+        assert not ours.isnan().any(), f"rank {rank}: rows left unplaced by {name}"
+        assert torch.equal(theirs, ours), f"rank {rank}: differs ({name})"
+
+
+def test_every_hook_megastart_recognises_is_megatron_bridges_own() -> None:
+    """Each class :data:`HOOKS` names exists in the installed Megatron-Bridge and defines the
+    hook itself: a renamed or moved class is found here, not guessed at load time."""
+    from importlib import import_module
+
+    from support.bridge_ranks import import_megatron_bridge
+
+    from megastart.loader.mapping.hooks import HOOKS
+
+    import_megatron_bridge()
+    for owner in HOOKS:
+        module, _, name = owner.rpartition(".")
+        if version("megatron-bridge") < "0.6" and not _importable(module):
+            continue  # a family 0.6 added
+        kind: Any = getattr(import_module(module), name)
+        assert "maybe_modify_loaded_hf_weight" in vars(kind), owner
+
+
+def test_a_registered_bridge_replaced_by_an_unknown_subclass_is_left_to_the_bridge() -> None:
+    """Every bridge megastart serves, replaced by a subclass of its own class that changes
+    nothing visible: megastart cannot know what it changes, so the bridge loads, by name."""
+    from support.bridge_ranks import import_megatron_bridge
+
+    from megastart.architectures import megatron_bridge_architectures
+    from megastart.loader.mapping.bridge import Untranslatable, bridge_table
+
+    import_megatron_bridge()
+    from megatron.bridge.models.conversion.model_bridge import get_model_bridge
+
+    served = megatron_bridge_architectures()["architectures"]
+    checked = 0
+    for source in get_model_bridge._exact_types:
+        name = source if isinstance(source, str) else source.__name__
+        if served[name]["served"] != "yes":
+            continue
+        registered = type(get_model_bridge(source))
+        unknown = type(f"Patched{registered.__name__}", (registered,), {})
+        with pytest.raises(Untranslatable, match=f"subclass of {registered.__name__} that"):
+            bridge_table(unknown(), [], (), tied=False)
+        checked += 1
+    assert checked >= 40, checked
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its package is missing too
+        return False
