@@ -2,7 +2,8 @@
 on every rank, from models built by the bridge's own provider on CPU: a vision-language model
 (the language model's decoder and the vision tower, its parameters outside any GPT decoder,
 mostly ``ReplicatedMapping`` over ``visual.**``: the tower is each rank's whole, the decoder
-its TP slice) and Ernie-4.5-MoE (mapping classes of its bridge's own)."""
+its TP slice), Ernie-4.5-MoE (mapping classes of its bridge's own) and a Mamba hybrid
+(Nemotron-H: Mamba's in_proj split by group over TP)."""
 
 from __future__ import annotations
 
@@ -57,5 +58,28 @@ def test_ernie_4_5_moe_loads_as_megatron_bridge_loads_it(
         assert report is not None, f"rank {rank}: megastart left the load to the bridge"
         bias = [n for n in theirs if n.endswith("router.expert_bias")]
         assert bias and not any(theirs[n].isnan().any() for n in bias), bias
+        differ = differences(theirs, ours)
+        assert not differ, f"rank {rank}: these differ from the bridge's load: {differ}"
+
+
+@pytest.mark.parametrize(
+    ("model_type", "layout"), [("nemotron_h", {"tp": 2})], ids=["nemotron_h-tp2"]
+)
+def test_a_mamba_hybrid_loads_as_megatron_bridge_loads_it(
+    rank_pools: dict[int, RankPool],
+    tmp_path_factory: pytest.TempPathFactory,
+    model_type: str,
+    layout: dict[str, int],
+) -> None:
+    """Mamba's in_proj (z, x, B, C, dt per TP rank, by group), conv1d, A_log, D, dt_bias and
+    gated norm per TP shard, beside attention and MLP layers: megatron-core's hybrid model on
+    its local spec, its mixer built with the test-only mamba_ssm stub (support/stubs)."""
+    directory = make_tiny(model_type, Path(tmp_path_factory.mktemp(model_type)))
+    for rank, (theirs, ours, report) in enumerate(
+        rank_pools[2].run(bridge_and_megastart, str(directory), layout)
+    ):
+        assert report is not None, f"rank {rank}: megastart left the load to the bridge"
+        mixer = [n for n in theirs if ".mixer." in n and "in_proj" in n]
+        assert mixer and not any(theirs[n].isnan().any() for n in theirs), mixer
         differ = differences(theirs, ours)
         assert not differ, f"rank {rank}: these differ from the bridge's load: {differ}"

@@ -6,7 +6,8 @@ parameter set to NaN before each load so that nothing left untouched passes."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from importlib import import_module
 from importlib.util import find_spec
 from typing import Any
@@ -42,6 +43,8 @@ def build(
     provider = bridge.to_megatron_provider(load_weights=False)
     if device == "cpu":
         provider.transformer_layer_spec = cpu_block_spec
+        if hasattr(provider, "hybrid_stack_spec"):  # Mamba hybrids: megatron-core's local spec
+            provider.hybrid_stack_spec = local_hybrid_stack_spec
         for fused in CPU_OFF:
             if hasattr(provider, fused):
                 setattr(provider, fused, False)
@@ -58,10 +61,46 @@ def build(
     provider.params_dtype = getattr(torch, dtype)
     provider.bf16 = dtype == "bfloat16"
     provider.finalize()
-    chunks = provider.provide_distributed_model(
-        wrap_with_ddp=False, use_cpu_initialization=device == "cpu", mixed_precision_wrapper=None
-    )
+    with torch_final_norm(device == "cpu" and hasattr(provider, "hybrid_stack_spec")):
+        chunks = provider.provide_distributed_model(
+            wrap_with_ddp=False,
+            use_cpu_initialization=device == "cpu",
+            mixed_precision_wrapper=None,
+        )
     return bridge, chunks
+
+
+@contextmanager
+def torch_final_norm(on: bool) -> Iterator[None]:
+    """While building a hybrid model on the CPU: its stack's final norm, which megatron-core
+    makes with Transformer Engine's ``TENorm`` whatever the spec, as torch's."""
+    if not on:
+        yield
+        return
+    from megatron.core.models.hybrid import hybrid_block
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    saved = hybrid_block.TENorm
+    hybrid_block.TENorm = WrappedTorchNorm
+    try:
+        yield
+    finally:
+        hybrid_block.TENorm = saved
+
+
+def local_hybrid_stack_spec() -> Any:
+    """megatron-core's hybrid stack without Transformer Engine: ModelOpt's local spec (plain
+    column/row-parallel linears, separate norms, local attention) with torch's norms in place
+    of its TE ones; its Mamba mixer builds with :mod:`support.stubs`' ``mamba_ssm``."""
+    from megatron.core.post_training.modelopt.hybrid import model_specs
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    saved = model_specs.Norm
+    model_specs.Norm = WrappedTorchNorm
+    try:
+        return model_specs.get_hybrid_stack_modelopt_spec(local_core_attention=True)
+    finally:
+        model_specs.Norm = saved
 
 
 CPU_OFF = (

@@ -49,6 +49,11 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
         dict(MROPE, **MOE),
         dict(out_hidden_size=64, deepstack_visual_indexes=[0]),
     ),
+    "gemma3": (  # the projector a permuted AutoMapping (mm_input_projection_weight [in, out])
+        "Gemma3ForConditionalGeneration",
+        dict(head_dim=16),
+        dict(num_hidden_layers=2, num_attention_heads=4, image_size=28, patch_size=14),
+    ),
     "glm4v_moe": (  # first layer dense, a shared expert, partial rotary
         "Glm4vMoeForConditionalGeneration",
         dict(
@@ -68,6 +73,9 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
 }
 """Per vision-language ``model_type``: the architecture, and what its text and vision configs
 add."""
+
+TOP: dict[str, dict[str, Any]] = {"gemma3": dict(mm_tokens_per_image=4)}
+"""What a vision-language config sets beside its text and vision configs."""
 
 TEXT_ONLY: dict[str, tuple[str, dict[str, Any]]] = {
     "ernie4_5_moe": (  # shared expert, first layer dense, a [1, E] expert bias
@@ -90,6 +98,19 @@ TEXT_ONLY: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_5_moe_text": (
         "Qwen3_5MoeForCausalLM",
         dict(GATED_DELTA_NET, **MOE, shared_expert_intermediate_size=32),
+    ),
+    "nemotron_h": (  # Mamba, attention, Mamba, MLP: in_proj groups split over TP
+        "NemotronHForCausalLM",
+        dict(
+            head_dim=16,
+            layers_block_type=["mamba", "attention", "mamba", "mlp"],
+            mamba_num_heads=16,
+            mamba_head_dim=4,
+            n_groups=2,
+            ssm_state_size=16,
+            expand=1,
+            use_mamba_kernels=False,
+        ),
     ),
     "minimax_m2": (  # partial rotary, per-layer QK norms over all heads
         "MiniMaxM2ForCausalLM",
@@ -117,6 +138,7 @@ def make_tiny(model_type: str, out_dir: Path, seed: int = 0) -> Path:
             text_config={**SMALL_SIZE, **text},
             vision_config={**VISION, **vision},
             dtype="float32",
+            **TOP.get(model_type, {}),
         )
         auto = AutoModelForImageTextToText
     torch.manual_seed(seed)
@@ -125,4 +147,29 @@ def make_tiny(model_type: str, out_dir: Path, seed: int = 0) -> Path:
         for parameter in model.parameters():
             parameter.normal_(0, 0.5)
     model.save_pretrained(out_dir, max_shard_size=200_000)
+    for old, new in RELEASED_NAMES.get(model_type, {}).items():
+        _rename(out_dir, old, new)
     return out_dir
+
+
+RELEASED_NAMES = {"nemotron_h": {"backbone.embedding.weight": "backbone.embeddings.weight"}}
+"""Where ``transformers`` writes a tensor under another name than the released checkpoints
+(and Megatron-Bridge's mapping) use: NVIDIA's Nemotron-H releases say ``embeddings``."""
+
+
+def _rename(directory: Path, old: str, new: str) -> None:
+    """Rename tensor ``old`` to ``new`` in the checkpoint's shard and index."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    index = directory / "model.safetensors.index.json"
+    files = json.loads(index.read_text())["weight_map"] if index.exists() else {}
+    shard = directory / files.get(old, "model.safetensors")
+    tensors = load_file(shard)
+    tensors[new] = tensors.pop(old)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    if files:
+        data = json.loads(index.read_text())
+        data["weight_map"][new] = data["weight_map"].pop(old)
+        index.write_text(json.dumps(data, indent=2))
