@@ -20,6 +20,7 @@ from support.bridge_ranks import bridge_and_megastart, differences
 from support.tiny_models import make_tiny
 
 from megastart.harness.launch import RankPool
+from megastart.loader.checkpoint import read_metadata
 
 
 @pytest.mark.parametrize(
@@ -81,5 +82,26 @@ def test_a_mamba_hybrid_loads_as_megatron_bridge_loads_it(
         assert report is not None, f"rank {rank}: megastart left the load to the bridge"
         mixer = [n for n in theirs if ".mixer." in n and "in_proj" in n]
         assert mixer and not any(theirs[n].isnan().any() for n in theirs), mixer
+        differ = differences(theirs, ours)
+        assert not differ, f"rank {rank}: these differ from the bridge's load: {differ}"
+
+
+def test_gemma4_derived_keys_and_values_load_as_megatron_bridge_loads_them(
+    rank_pools: dict[int, RankPool], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Gemma 4's bridge hook makes V a copy of K on its full-attention layers (no v_proj) and
+    zero K and V on the layers sharing another's KV (no k_proj, v_proj nor k_norm: the bridge
+    leaves that norm as it was, and so does megastart); at TP2 on its dense local spec."""
+    directory = make_tiny("gemma4_text", Path(tmp_path_factory.mktemp("gemma4")))
+    stored = {n for n in read_metadata(str(directory), allow_pickle=False).tensors}
+    layer = "model.layers.{}.self_attn.{}_proj.weight"
+    assert layer.format(1, "k") in stored and layer.format(1, "v") not in stored
+    assert not {layer.format(3, "k"), layer.format(3, "v")} & stored
+    for rank, (theirs, ours, report) in enumerate(
+        rank_pools[2].run(bridge_and_megastart, str(directory), {"tp": 2})
+    ):
+        assert report is not None, f"rank {rank}: megastart left the load to the bridge"
+        qkv = [n for n in theirs if n.endswith("linear_qkv.weight")]
+        assert len(qkv) == 4 and not any(theirs[n].isnan().any() for n in qkv), qkv
         differ = differences(theirs, ours)
         assert not differ, f"rank {rank}: these differ from the bridge's load: {differ}"

@@ -5,6 +5,7 @@ parameter set to NaN before each load so that nothing left untouched passes."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -61,13 +62,31 @@ def build(
     provider.params_dtype = getattr(torch, dtype)
     provider.bf16 = dtype == "bfloat16"
     provider.finalize()
-    with torch_final_norm(device == "cpu" and hasattr(provider, "hybrid_stack_spec")):
+    with (
+        torch_final_norm(device == "cpu" and hasattr(provider, "hybrid_stack_spec")),
+        kept_env("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"),
+    ):
         chunks = provider.provide_distributed_model(
             wrap_with_ddp=False,
             use_cpu_initialization=device == "cpu",
             mixed_precision_wrapper=None,
         )
     return bridge, chunks
+
+
+@contextmanager
+def kept_env(*names: str) -> Iterator[None]:
+    """``names`` in the environment as they were before (megatron-core's models set the
+    attention backend's variables there, and assert them in the next model a rank builds)."""
+    saved = {name: os.environ.get(name) for name in names}
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @contextmanager

@@ -112,6 +112,20 @@ TEXT_ONLY: dict[str, tuple[str, dict[str, Any]]] = {
             use_mamba_kernels=False,
         ),
     ),
+    "gemma4_text": (  # K = V on full-attention layers (no v_proj), the last two share KV
+        "Gemma4ForCausalLM",
+        dict(
+            head_dim=16,
+            global_head_dim=16,
+            num_global_key_value_heads=4,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            attention_k_eq_v=True,
+            num_kv_shared_layers=2,
+            hidden_size_per_layer_input=16,
+            vocab_size_per_layer_input=300,
+            sliding_window=32,
+        ),
+    ),
     "minimax_m2": (  # partial rotary, per-layer QK norms over all heads
         "MiniMaxM2ForCausalLM",
         dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, rotary_dim=8),

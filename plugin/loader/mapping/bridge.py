@@ -125,7 +125,7 @@ def bridge_table(
     ``tied`` embeddings the bridge leaves the output layer to the embedding. ``stored``: an
     HF tensor's dtype in the checkpoint (where a mapping computes in it)."""
     bridge = model_bridge(bridge)
-    recognise(bridge)
+    hook = recognise(bridge)
     registry = bridge.mapping_registry()
     for mapping in registry.get_all_mappings():
         _check_class(bridge, mapping)
@@ -141,7 +141,9 @@ def bridge_table(
             left.add(canonical)
             continue
         mapping = registry.megatron_to_hf_lookup(unwrap_lora(canonical))
-        if mapping is not None:
+        if mapping is not None and hook.leaves(mapping.hf_param, stored):
+            left.add(canonical)
+        elif mapping is not None:
             by_name[canonical] = _rule(bridge, mapping, canonical, module, stored)
         elif not buffer:  # a buffer no mapping names is state the load does not touch
             left.add(canonical)

@@ -53,6 +53,15 @@ class Hook:
     wrapper: str = ""
     derives_kv: bool = False
     legacy: tuple[str, str] | None = None
+    may_lack: tuple[str, ...] = ()
+    """HF name suffixes some layers of its checkpoints lack, whose parameters the bridge then
+    leaves as initialised (its load skips a mapping whose tensor is absent): megastart leaves
+    them too, and still refuses any other absent tensor."""
+
+    def leaves(self, hf: Any, stored: Callable[[str], str | None]) -> bool:
+        """Whether the parameter mapped from ``hf`` is one the bridge leaves (:attr:`may_lack`)."""
+        lacking = bool(self.may_lack) and isinstance(hf, str) and hf.endswith(self.may_lack)
+        return lacking and stored(hf) is None
 
 
 _AS_LOADED = "returns each weight as loaded"
@@ -93,8 +102,10 @@ HOOKS: dict[str, Hook] = {
         wrapper="swapped_halves",
     ),
     f"{_BRIDGE}gemma.gemma4_bridge.Gemma4Bridge": Hook(
-        "makes V a copy of K where v_proj is absent, zero K and V where both are",
+        "makes V a copy of K where v_proj is absent, zero K and V where both are (layers "
+        "sharing another's KV, which lack k_norm too: the bridge leaves it)",
         derives_kv=True,
+        may_lack=(".self_attn.k_norm.weight",),
     ),
     f"{_BRIDGE}deepseek.deepseek_v4_bridge.DeepSeekV4Bridge": Hook(
         "returns a float weight as loaded, the CSA indexer's under its legacy name where the "
