@@ -42,6 +42,19 @@ def test_megastart_places_what_the_bridges_hook_and_mapping_make_on_each_tp_rank
         assert torch.equal(theirs, ours), f"rank {rank}: differs ({name})"
 
 
+def test_deepseek_v4_own_classes_and_hook_load_as_its_bridge_loads_them(
+    rank_pools: dict[int, RankPool],
+) -> None:
+    """On tensors only: megatron-core 0.19.2 has no ``dsv4_hybrid`` attention variant, so no
+    DeepSeek-V4 model builds on either machine's megatron-core."""
+    for rank, parts in enumerate(rank_pools[2].run(hook_ranks.deepseek_v4_parts)):
+        names = [name for _, _, name, _ in parts]
+        assert names == ["rows:0:1", "rows:1:2", "rows:2:3", "replicated"], names
+        assert parts[-1][3] == ("layers.0.attn.indexer.weights_proj.weight",), parts[-1][3]
+        for theirs, ours, name, _ in parts:
+            assert torch.equal(theirs, ours), f"rank {rank}: {name} differs"
+
+
 def test_every_hook_megastart_recognises_is_megatron_bridges_own() -> None:
     """Each class :data:`HOOKS` names exists in the installed Megatron-Bridge and defines the
     hook itself: a renamed or moved class is found here, not guessed at load time."""

@@ -158,3 +158,31 @@ def _one_mapping(mapping: Any) -> Any:
     from support.layout_ranks import _bridge
 
     return _bridge("", mapping)
+
+
+def deepseek_v4_parts() -> list[Compared]:
+    """DeepSeek-V4's own mapping classes and hook, on tensors at TP2 (megatron-core 0.19.2 has
+    no ``dsv4_hybrid`` attention variant: no DeepSeek-V4 model builds here): the three
+    hyper-connection alphas, each an element of ``hc_attn_scale [3]``, and the CSA indexer's
+    weights projection stored under its legacy name, which the hook reads instead."""
+    import_megatron_bridge()
+    from megatron.bridge.models.deepseek.deepseek_v4_bridge import DeepSeekV4Bridge
+
+    bridge = DeepSeekV4Bridge()
+    bridge.hf_config = SimpleNamespace(num_nextn_predict_layers=0)
+    generator = torch.Generator().manual_seed(0)
+    out = []
+    with megatron({"tp": 2}):
+        alphas = torch.nn.Module()
+        for name in ("alpha_pre", "alpha_post", "alpha_res"):
+            setattr(alphas, name, torch.nn.Parameter(torch.zeros(1)))
+        hf = {"layers.0.hc_attn_scale": torch.randn(3, generator=generator)}
+        for name in ("alpha_pre", "alpha_post", "alpha_res"):
+            canonical = f"decoder.layers.0.self_attention_hyper_connection.{name}"
+            alphas.weight = getattr(alphas, name)  # what compared() reads the shape of
+            out.append(compared(bridge, canonical, alphas, hf))
+        indexer = torch.nn.Linear(HIDDEN, 8, bias=False)
+        legacy = {"layers.0.attn.indexer.weights_proj.weight": torch.randn(8, HIDDEN)}
+        canonical = "decoder.layers.0.self_attention.core_attention.indexer.linear_weights_proj"
+        out.append(compared(bridge, canonical + ".weight", indexer, legacy))
+    return out
