@@ -54,6 +54,11 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
         dict(head_dim=16),
         dict(num_hidden_layers=2, num_attention_heads=4, image_size=28, patch_size=14),
     ),
+    "mistral3": (  # Ministral 3: its bridge's hook returns plain weights as loaded
+        "Mistral3ForConditionalGeneration",
+        dict(head_dim=16, model_type="ministral3"),
+        dict(num_hidden_layers=2, num_attention_heads=4, head_dim=8, image_size=28, patch_size=14),
+    ),
     "glm4v_moe": (  # first layer dense, a shared expert, partial rotary
         "Glm4vMoeForConditionalGeneration",
         dict(
@@ -74,7 +79,10 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
 """Per vision-language ``model_type``: the architecture, and what its text and vision configs
 add."""
 
-TOP: dict[str, dict[str, Any]] = {"gemma3": dict(mm_tokens_per_image=4)}
+TOP: dict[str, dict[str, Any]] = {
+    "gemma3": dict(mm_tokens_per_image=4),
+    "mistral3": dict(tie_word_embeddings=False),  # as the text config (an untied head)
+}
 """What a vision-language config sets beside its text and vision configs."""
 
 TEXT_ONLY: dict[str, tuple[str, dict[str, Any]]] = {
