@@ -134,6 +134,22 @@ TEXT_ONLY: dict[str, tuple[str, dict[str, Any]]] = {
             sliding_window=32,
         ),
     ),
+    "gemma4_moe_text": (  # Gemma 4's MoE block (Transformer Engine's specs only: the GPU's)
+        "Gemma4ForCausalLM",
+        dict(
+            head_dim=16,
+            global_head_dim=16,
+            num_global_key_value_heads=4,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            attention_k_eq_v=True,
+            hidden_size_per_layer_input=0,
+            sliding_window=32,
+            enable_moe_block=True,
+            num_experts=4,
+            top_k_experts=2,
+            moe_intermediate_size=32,
+        ),
+    ),
     "minimax_m2": (  # partial rotary, per-layer QK norms over all heads
         "MiniMaxM2ForCausalLM",
         dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, rotary_dim=8),
@@ -149,7 +165,10 @@ def make_tiny(model_type: str, out_dir: Path, seed: int = 0) -> Path:
     if model_type in TEXT_ONLY:
         architecture, text = TEXT_ONLY[model_type]
         config = AutoConfig.for_model(
-            model_type, architectures=[architecture], **{**SMALL_SIZE, **text}, dtype="float32"
+            KIND.get(model_type, model_type),
+            architectures=[architecture],
+            **{**SMALL_SIZE, **text},
+            dtype="float32",
         )
         auto: Any = AutoModelForCausalLM
     else:
@@ -173,6 +192,9 @@ def make_tiny(model_type: str, out_dir: Path, seed: int = 0) -> Path:
         _rename(out_dir, old, new)
     return out_dir
 
+
+KIND = {"gemma4_moe_text": "gemma4_text"}
+"""The ``model_type`` of a tiny model named otherwise (one variant of a model type)."""
 
 RELEASED_NAMES = {"nemotron_h": {"backbone.embedding.weight": "backbone.embeddings.weight"}}
 """Where ``transformers`` writes a tensor under another name than the released checkpoints
