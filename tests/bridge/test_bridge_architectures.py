@@ -80,6 +80,8 @@ def test_a_mamba_hybrid_loads_as_megatron_bridge_loads_it(
     """Mamba's in_proj (z, x, B, C, dt per TP rank, by group), conv1d, A_log, D, dt_bias and
     gated norm per TP shard, beside attention and MLP layers: megatron-core's hybrid model on
     its local spec, its mixer built with the test-only mamba_ssm stub (support/stubs)."""
+    if version("megatron-bridge") < "0.6":
+        pytest.skip("the issue's reach: Megatron-Bridge 0.6.2's Nemotron-H")
     directory = make_tiny(model_type, Path(tmp_path_factory.mktemp(model_type)))
     for rank, (theirs, ours, report) in enumerate(
         rank_pools[2].run(bridge_and_megastart, str(directory), layout)
@@ -97,6 +99,8 @@ def test_gemma4_derived_keys_and_values_load_as_megatron_bridge_loads_them(
     """Gemma 4's bridge hook makes V a copy of K on its full-attention layers (no v_proj) and
     zero K and V on the layers sharing another's KV (no k_proj, v_proj nor k_norm: the bridge
     leaves that norm as it was, and so does megastart); at TP2 on its dense local spec."""
+    if version("megatron-bridge") < "0.6":
+        pytest.skip("Megatron-Bridge before 0.6 has no Gemma 4 bridge")
     directory = make_tiny("gemma4_text", Path(tmp_path_factory.mktemp("gemma4")))
     stored = {n for n in read_metadata(str(directory), allow_pickle=False).tensors}
     layer = "model.layers.{}.self_attn.{}_proj.weight"

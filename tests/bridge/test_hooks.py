@@ -30,11 +30,17 @@ CASES = {  # the rank function, what its transform's name starts with, HF tensor
 }
 
 
+SINCE_0_6 = ("gemma4", "mimo_v2_flash")
+"""Families Megatron-Bridge 0.6 added (the verl session runs these tests on 0.5.1 too)."""
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_megastart_places_what_the_bridges_hook_and_mapping_make_on_each_tp_rank(
     rank_pools: dict[int, RankPool], case: str
 ) -> None:
     function, args, transform, reads = CASES[case]
+    if case.startswith(SINCE_0_6) and version("megatron-bridge") < "0.6":
+        pytest.skip(f"Megatron-Bridge {version('megatron-bridge')} has no {case} bridge")
     for rank, (theirs, ours, name, hf) in enumerate(rank_pools[2].run(function, *args)):
         assert name.startswith(transform), name
         assert len(hf) == len(set(hf)) == reads, f"rank {rank}: reads {hf}"
@@ -47,6 +53,8 @@ def test_deepseek_v4_own_classes_and_hook_load_as_its_bridge_loads_them(
 ) -> None:
     """On tensors only: megatron-core 0.19.2 has no ``dsv4_hybrid`` attention variant, so no
     DeepSeek-V4 model builds on either machine's megatron-core."""
+    if version("megatron-bridge") < "0.6":
+        pytest.skip("Megatron-Bridge before 0.6 has no DeepSeek-V4 bridge")
     for rank, parts in enumerate(rank_pools[2].run(hook_ranks.deepseek_v4_parts)):
         names = [name for _, _, name, _ in parts]
         assert names == ["rows:0:1", "rows:1:2", "rows:2:3", "replicated"], names
@@ -95,7 +103,7 @@ def test_a_registered_bridge_replaced_by_an_unknown_subclass_is_left_to_the_brid
         with pytest.raises(Untranslatable, match=f"subclass of {registered.__name__} that"):
             bridge_table(unknown(), [], (), tied=False)
         checked += 1
-    assert checked >= 40, checked
+    assert checked >= (50 if version("megatron-bridge") >= "0.6" else 10), checked
 
 
 def _importable(module: str) -> bool:
