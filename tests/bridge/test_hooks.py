@@ -82,8 +82,9 @@ def test_every_hook_megastart_recognises_is_megatron_bridges_own() -> None:
 
 
 def test_a_registered_bridge_replaced_by_an_unknown_subclass_is_left_to_the_bridge() -> None:
-    """Every bridge megastart serves, replaced by a subclass of its own class that changes
-    nothing visible: megastart cannot know what it changes, so the bridge loads, by name."""
+    """Every bridge megastart serves, replaced by a subclass of its own class that overrides
+    a method megastart does not read (how it builds its conversion tasks): megastart cannot
+    know what it changes, so the bridge loads, by name; one that overrides nothing is served."""
     from support.bridge_ranks import import_megatron_bridge
 
     from megastart.architectures import megatron_bridge_architectures
@@ -99,9 +100,12 @@ def test_a_registered_bridge_replaced_by_an_unknown_subclass_is_left_to_the_brid
         if served[name]["served"] != "yes":
             continue
         registered = type(get_model_bridge(source))
-        unknown = type(f"Patched{registered.__name__}", (registered,), {})
+        patched = {"build_conversion_tasks": registered.build_conversion_tasks}
+        unknown = type(f"Patched{registered.__name__}", (registered,), patched)
         with pytest.raises(Untranslatable, match=f"subclass of {registered.__name__} that"):
             bridge_table(unknown(), [], (), tied=False)
+        only_data = type(f"Renamed{registered.__name__}", (registered,), {})
+        bridge_table(only_data(), [], (), tied=False)  # overriding nothing: served
         checked += 1
     assert checked >= (50 if version("megatron-bridge") >= "0.6" else 10), checked
 

@@ -102,7 +102,7 @@ def test_the_bridge_registry_and_the_built_in_table_agree(
             "with ShiftedNormMapping, which megastart does not translate",
         ),
         (bridge_with_a_hook_of_its_own, "changes each loaded weight ("),
-        (unknown_subclass, "PatchedBridge (support.bridge_ranks."),
+        (unknown_subclass, "it changes build_conversion_tasks"),
     ],
     ids=["mapping_class", "per_weight_hook", "unknown_subclass"],
 )

@@ -299,11 +299,12 @@ def bridge_with_a_hook_of_its_own(auto: Any) -> Any:
 
 def unknown_subclass(auto: Any) -> Any:
     """The checkpoint's model bridge replaced by a subclass of its registered class that
-    changes nothing megastart could see (as a host's own patch would be)."""
+    changes how it builds its conversion tasks (here: not at all, which megastart cannot see)."""
     base = auto._model_bridge
 
     class PatchedBridge(type(base)):  # type: ignore[misc]
-        pass
+        def build_conversion_tasks(self, *args: Any, **kwargs: Any) -> Any:
+            return super().build_conversion_tasks(*args, **kwargs)
 
     bridge = PatchedBridge()
     bridge.hf_config = base.hf_config

@@ -17,9 +17,9 @@ bridge's MRO) and applies what :data:`HOOKS` says that hook does, to each rank's
 * ``legacy``: ``(new, old)`` name parts: a tensor the checkpoint lacks is read under the
   name with ``new`` replaced by ``old``, where that one exists.
 
-A hook not in :data:`HOOKS`, and a bridge class from outside Megatron-Bridge (a subclass of
-a registered bridge that may change the load anywhere), leave the whole model to the bridge,
-said so by name (:func:`recognise`).
+A hook not in :data:`HOOKS`, and a subclass from outside Megatron-Bridge of a registered bridge
+that overrides more than its registry and its hook (it may change the load anywhere), leave
+the whole model to the bridge, said so by name (:func:`recognise`, :func:`check_class`).
 """
 
 from __future__ import annotations
@@ -142,21 +142,36 @@ def recognise(bridge: Any) -> Hook:
 
 def check_class(bridge: Any) -> None:
     """Raise :class:`Untranslatable` for a subclass, from outside Megatron-Bridge, of one of its
-    bridges (one registered for an architecture, which megastart knows by its registry and its
-    hook): it may change the load anywhere, and is never guessed. A bridge of one's own made
-    directly on ``MegatronModelBridge`` is read by its registry and hook like any other."""
+    bridges that overrides more than megastart reads as data (:data:`READ_AS_DATA`: its
+    registry and its hook, which :func:`recognise` judges): it changes the load where megastart
+    cannot see, and is never guessed. A bridge of one's own made directly on
+    ``MegatronModelBridge`` is read by its registry and hook like any other."""
     kind = type(bridge)
     if kind.__module__.startswith(_MEGATRON_BRIDGE):
         return
     mro = [b.__name__ for b in kind.__mro__]
-    below = kind.__mro__[1 : mro.index(_BASE)] if _BASE in mro else kind.__mro__[1:]
-    known = [b for b in below if b.__module__.startswith(_MEGATRON_BRIDGE)]
-    if known:
+    below = kind.__mro__[: mro.index(_BASE)] if _BASE in mro else kind.__mro__
+    own = [b for b in below if not b.__module__.startswith(_MEGATRON_BRIDGE)]
+    if len(own) == len(below):  # nothing of Megatron-Bridge's own between it and the base
+        return
+    changed = sorted(
+        name
+        for b in own
+        for name, value in vars(b).items()
+        if callable(value) and not name.startswith("__") and name not in READ_AS_DATA
+    )
+    if changed:
+        known = next(b for b in below if b.__module__.startswith(_MEGATRON_BRIDGE))
         raise Untranslatable(
             f"Megatron-Bridge's {kind.__name__} ({kind.__module__}.{kind.__qualname__}) is a "
-            f"subclass of {known[0].__name__} that megastart does not recognise"
+            f"subclass of {known.__name__} that megastart does not recognise: it changes "
+            f"{', '.join(changed)}"
         )
 
+
+READ_AS_DATA = {"mapping_registry", "maybe_modify_loaded_hf_weight"}
+"""What a bridge's subclass may override and still be served: megastart reads its registry
+at run time and judges its hook by the class that defines it (:data:`HOOKS`)."""
 
 _BASE = "MegatronModelBridge"
 """The base a bridge of one's own may start from (itself on Megatron-Bridge's PEFT base)."""
