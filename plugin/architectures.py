@@ -118,9 +118,13 @@ def _quantisation(quantisation: Any) -> str:
     elif quantisation.weight_block is not None:
         return f"{quantisation.method} ({quantisation.evidence}): dequantised by megastart"
     elif quantisation.packing:
-        from megastart.loader.mapping.bridge import PACKED_HOOKS
+        from megastart.loader.mapping.hooks import HOOKS
 
-        bridge = PACKED_HOOKS[quantisation.packing].partition(".")[0]
+        bridge = " or ".join(
+            owner.rpartition(".")[2]
+            for owner, hook in HOOKS.items()
+            if quantisation.packing in hook.dequantises
+        )
         return (
             f"{quantisation.method} ({quantisation.evidence}): dequantised by megastart where "
             f"the host's Megatron-Bridge is {bridge}; otherwise refused, or left to a host "

@@ -28,6 +28,7 @@ from support.bridge_ranks import (
     leaves_to_the_bridge,
     tables_agree,
     the_auto_bridges_model_bridge,
+    unknown_subclass,
 )
 
 from megastart.harness.launch import RankPool
@@ -101,8 +102,9 @@ def test_the_bridge_registry_and_the_built_in_table_agree(
             "with ShiftedNormMapping, which megastart does not translate",
         ),
         (bridge_with_a_hook_of_its_own, "changes each loaded weight ("),
+        (unknown_subclass, "it changes build_conversion_tasks"),
     ],
-    ids=["mapping_class", "per_weight_hook"],
+    ids=["mapping_class", "per_weight_hook", "unknown_subclass"],
 )
 def test_a_bridge_megastart_does_not_reproduce_loads_the_model_itself(
     rank_pools: dict[int, RankPool], checkpoints: Any, custom: Any, named: str
@@ -158,15 +160,26 @@ def test_architectures_lists_what_megatron_bridge_megastart_serves() -> None:
         assert served[name]["served"] == "yes", served[name]
     for name in ("Qwen3NextForCausalLM", "Qwen2_5_VLForConditionalGeneration"):
         assert served[name]["served"] == "yes", served[name]
-    assert "MambaInProjMapping" in served["NemotronHForCausalLM"]["why"]
-    if report["version"] >= "0.6":  # the issue's reach: 45 of 0.6.2's 58 and these
-        assert sum(v["served"] != "no" for v in served.values()) >= 45
+    if report["version"] >= "0.6":  # the issue's reach: every one of 0.6.2's 58
+        assert len(served) == 58 and all(v["served"] != "no" for v in served.values()), [
+            (a, v["why"]) for a, v in served.items() if v["served"] == "no"
+        ]
         packed = ("GptOssForCausalLM", "KimiK25ForConditionalGeneration")  # MXFP4, INT4 too
-        for name in (*QWEN35, *VISION_LANGUAGE, "MiniMaxM2ForCausalLM", *packed):
+        for name in (*QWEN35, *VISION_LANGUAGE, "MiniMaxM2ForCausalLM", *packed, *ONCE_LEFT):
             assert served[name]["served"] == "yes", (name, served[name])
         assert served["Glm4vMoeForConditionalGeneration"]["served"] == "at load time"
-    hooked = sorted(a for a, v in served.items() if "changes each loaded weight" in v["why"])
-    assert hooked and f"{hooked[0]}: Megatron-Bridge's" in render(collect())
+    later = sorted(a for a, v in served.items() if v["served"] == "at load time")
+    assert later and f"{later[0]}: its registry needs" in render(collect())
+
+
+ONCE_LEFT = (
+    *("DeepseekV4ForCausalLM", "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
+    *("MiMoV2FlashForCausalLM", "Mistral3ForConditionalGeneration", "NemotronHForCausalLM"),
+    *("NemotronH_Nano_VL_V2", "NemotronH_Nano_Omni_Reasoning_V3", "FalconH1ForCausalLM"),
+    *("Gemma3ForConditionalGeneration", "Ernie4_5_VLMoeForConditionalGeneration"),
+)
+"""The eleven Megatron-Bridge 0.6.2 registrations megastart left to the bridge until issue 53:
+per-weight hooks, Mamba's in_proj, permuted AutoMappings."""
 
 
 def test_an_fp8_release_loads_as_megatron_bridges_dequantisation(

@@ -31,11 +31,19 @@ NEWEST = [
     "qwen3_vl_moe",
     "glm4v_moe",
     "minimax_m2",
+    # issue 53: a permuted AutoMapping (Gemma 3 VL's projector), per-weight hooks as data
+    "gemma3",
+    "gemma4_text",
+    "gemma4_moe_text",
+    "mistral3",
 ]
 """``model_type``s of :mod:`support.tiny_models`: Qwen3-Next, Qwen3.5 (dense and MoE, text and
-vision-language), Qwen3-VL (dense and MoE), GLM-4.5V, MiniMax-M2 (gpt-oss: ``test_gpu_loads.py``)."""
+vision-language), Qwen3-VL (dense and MoE), GLM-4.5V, MiniMax-M2 (gpt-oss: ``test_gpu_loads.py``);
+Gemma 3 VL, Gemma 4 (dense, MoE), Ministral 3. Nemotron-H is not here: its mixer needs
+mamba_ssm, which the GPU machine lacks too (tests/bridge builds it with a stub)."""
 
-MOE = set(NEWEST) - {"qwen3_5_text", "qwen3_5", "qwen3_vl"} | {"gpt_oss"}
+DENSE = {"qwen3_5_text", "qwen3_5", "qwen3_vl", "gemma3", "gemma4_text", "mistral3"}
+MOE = set(NEWEST) - DENSE | {"gpt_oss"}
 
 
 def check(got: dict[str, Any], name: str, where: str) -> None:
@@ -64,6 +72,8 @@ SHARED = [
     pytest.param("qwen3_vl_moe", {"tp": 2}, id="qwen3_vl_moe-tp2"),
     pytest.param("gpt_oss", {"tp": 2, "ep": 2, "etp": 1}, id="gpt_oss-tp2_ep2_etp1"),
     pytest.param("glm4v_moe", {"pp": 2}, id="glm4v_moe-pp2"),
+    pytest.param("gemma3", {"tp": 2}, id="gemma3-tp2"),
+    pytest.param("gemma4_moe_text", {"ep": 2}, id="gemma4_moe_text-ep2"),
 ]
 
 

@@ -5,8 +5,10 @@ parameter set to NaN before each load so that nothing left untouched passes."""
 
 from __future__ import annotations
 
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from importlib import import_module
 from importlib.util import find_spec
 from typing import Any
@@ -42,6 +44,8 @@ def build(
     provider = bridge.to_megatron_provider(load_weights=False)
     if device == "cpu":
         provider.transformer_layer_spec = cpu_block_spec
+        if hasattr(provider, "hybrid_stack_spec"):  # Mamba hybrids: megatron-core's local spec
+            provider.hybrid_stack_spec = local_hybrid_stack_spec
         for fused in CPU_OFF:
             if hasattr(provider, fused):
                 setattr(provider, fused, False)
@@ -58,10 +62,64 @@ def build(
     provider.params_dtype = getattr(torch, dtype)
     provider.bf16 = dtype == "bfloat16"
     provider.finalize()
-    chunks = provider.provide_distributed_model(
-        wrap_with_ddp=False, use_cpu_initialization=device == "cpu", mixed_precision_wrapper=None
-    )
+    with (
+        torch_final_norm(device == "cpu" and hasattr(provider, "hybrid_stack_spec")),
+        kept_env("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"),
+    ):
+        chunks = provider.provide_distributed_model(
+            wrap_with_ddp=False,
+            use_cpu_initialization=device == "cpu",
+            mixed_precision_wrapper=None,
+        )
     return bridge, chunks
+
+
+@contextmanager
+def kept_env(*names: str) -> Iterator[None]:
+    """``names`` in the environment as they were before (megatron-core's models set the
+    attention backend's variables there, and assert them in the next model a rank builds)."""
+    saved = {name: os.environ.get(name) for name in names}
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextmanager
+def torch_final_norm(on: bool) -> Iterator[None]:
+    """While building a hybrid model on the CPU: its stack's final norm, which megatron-core
+    makes with Transformer Engine's ``TENorm`` whatever the spec, as torch's."""
+    if not on:
+        yield
+        return
+    from megatron.core.models.hybrid import hybrid_block
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    saved = hybrid_block.TENorm
+    hybrid_block.TENorm = WrappedTorchNorm
+    try:
+        yield
+    finally:
+        hybrid_block.TENorm = saved
+
+
+def local_hybrid_stack_spec() -> Any:
+    """megatron-core's hybrid stack without Transformer Engine: ModelOpt's local spec (plain
+    column/row-parallel linears, separate norms, local attention) with torch's norms in place
+    of its TE ones; its Mamba mixer builds with :mod:`support.stubs`' ``mamba_ssm``."""
+    from megatron.core.post_training.modelopt.hybrid import model_specs
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    saved = model_specs.Norm
+    model_specs.Norm = WrappedTorchNorm
+    try:
+        return model_specs.get_hybrid_stack_modelopt_spec(local_core_attention=True)
+    finally:
+        model_specs.Norm = saved
 
 
 CPU_OFF = (
@@ -235,6 +293,20 @@ def bridge_with_a_hook_of_its_own(auto: Any) -> Any:
             return super().maybe_modify_loaded_hf_weight(hf_param, hf_state_dict) * 2
 
     bridge = Bridge()
+    bridge.hf_config = base.hf_config
+    return bridge
+
+
+def unknown_subclass(auto: Any) -> Any:
+    """The checkpoint's model bridge replaced by a subclass of its registered class that
+    changes how it builds its conversion tasks (here: not at all, which megastart cannot see)."""
+    base = auto._model_bridge
+
+    class PatchedBridge(type(base)):  # type: ignore[misc]
+        def build_conversion_tasks(self, *args: Any, **kwargs: Any) -> Any:
+            return super().build_conversion_tasks(*args, **kwargs)
+
+    bridge = PatchedBridge()
     bridge.hf_config = base.hf_config
     return bridge
 

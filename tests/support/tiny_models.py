@@ -49,6 +49,16 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
         dict(MROPE, **MOE),
         dict(out_hidden_size=64, deepstack_visual_indexes=[0]),
     ),
+    "gemma3": (  # the projector a permuted AutoMapping (mm_input_projection_weight [in, out])
+        "Gemma3ForConditionalGeneration",
+        dict(head_dim=16),
+        dict(num_hidden_layers=2, num_attention_heads=4, image_size=28, patch_size=14),
+    ),
+    "mistral3": (  # Ministral 3: its bridge's hook returns plain weights as loaded
+        "Mistral3ForConditionalGeneration",
+        dict(head_dim=16, model_type="ministral3"),
+        dict(num_hidden_layers=2, num_attention_heads=4, head_dim=8, image_size=28, patch_size=14),
+    ),
     "glm4v_moe": (  # first layer dense, a shared expert, partial rotary
         "Glm4vMoeForConditionalGeneration",
         dict(
@@ -68,6 +78,12 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
 }
 """Per vision-language ``model_type``: the architecture, and what its text and vision configs
 add."""
+
+TOP: dict[str, dict[str, Any]] = {
+    "gemma3": dict(mm_tokens_per_image=4),
+    "mistral3": dict(tie_word_embeddings=False),  # as the text config (an untied head)
+}
+"""What a vision-language config sets beside its text and vision configs."""
 
 TEXT_ONLY: dict[str, tuple[str, dict[str, Any]]] = {
     "ernie4_5_moe": (  # shared expert, first layer dense, a [1, E] expert bias
@@ -91,6 +107,49 @@ TEXT_ONLY: dict[str, tuple[str, dict[str, Any]]] = {
         "Qwen3_5MoeForCausalLM",
         dict(GATED_DELTA_NET, **MOE, shared_expert_intermediate_size=32),
     ),
+    "nemotron_h": (  # Mamba, attention, Mamba, MLP: in_proj groups split over TP
+        "NemotronHForCausalLM",
+        dict(
+            head_dim=16,
+            layers_block_type=["mamba", "attention", "mamba", "mlp"],
+            mamba_num_heads=16,
+            mamba_head_dim=4,
+            n_groups=2,
+            ssm_state_size=16,
+            expand=1,
+            use_mamba_kernels=False,
+        ),
+    ),
+    "gemma4_text": (  # K = V on full-attention layers (no v_proj), the last two share KV
+        "Gemma4ForCausalLM",
+        dict(
+            head_dim=16,
+            global_head_dim=16,
+            num_global_key_value_heads=4,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            attention_k_eq_v=True,
+            num_kv_shared_layers=2,
+            hidden_size_per_layer_input=16,
+            vocab_size_per_layer_input=300,
+            sliding_window=32,
+        ),
+    ),
+    "gemma4_moe_text": (  # Gemma 4's MoE block (Transformer Engine's specs only: the GPU's)
+        "Gemma4ForCausalLM",
+        dict(
+            head_dim=16,
+            global_head_dim=16,
+            num_global_key_value_heads=4,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            attention_k_eq_v=True,
+            hidden_size_per_layer_input=0,
+            sliding_window=32,
+            enable_moe_block=True,
+            num_experts=4,
+            top_k_experts=2,
+            moe_intermediate_size=32,
+        ),
+    ),
     "minimax_m2": (  # partial rotary, per-layer QK norms over all heads
         "MiniMaxM2ForCausalLM",
         dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, rotary_dim=8),
@@ -106,7 +165,10 @@ def make_tiny(model_type: str, out_dir: Path, seed: int = 0) -> Path:
     if model_type in TEXT_ONLY:
         architecture, text = TEXT_ONLY[model_type]
         config = AutoConfig.for_model(
-            model_type, architectures=[architecture], **{**SMALL_SIZE, **text}, dtype="float32"
+            KIND.get(model_type, model_type),
+            architectures=[architecture],
+            **{**SMALL_SIZE, **text},
+            dtype="float32",
         )
         auto: Any = AutoModelForCausalLM
     else:
@@ -117,6 +179,7 @@ def make_tiny(model_type: str, out_dir: Path, seed: int = 0) -> Path:
             text_config={**SMALL_SIZE, **text},
             vision_config={**VISION, **vision},
             dtype="float32",
+            **TOP.get(model_type, {}),
         )
         auto = AutoModelForImageTextToText
     torch.manual_seed(seed)
@@ -125,4 +188,32 @@ def make_tiny(model_type: str, out_dir: Path, seed: int = 0) -> Path:
         for parameter in model.parameters():
             parameter.normal_(0, 0.5)
     model.save_pretrained(out_dir, max_shard_size=200_000)
+    for old, new in RELEASED_NAMES.get(model_type, {}).items():
+        _rename(out_dir, old, new)
     return out_dir
+
+
+KIND = {"gemma4_moe_text": "gemma4_text"}
+"""The ``model_type`` of a tiny model named otherwise (one variant of a model type)."""
+
+RELEASED_NAMES = {"nemotron_h": {"backbone.embedding.weight": "backbone.embeddings.weight"}}
+"""Where ``transformers`` writes a tensor under another name than the released checkpoints
+(and Megatron-Bridge's mapping) use: NVIDIA's Nemotron-H releases say ``embeddings``."""
+
+
+def _rename(directory: Path, old: str, new: str) -> None:
+    """Rename tensor ``old`` to ``new`` in the checkpoint's shard and index."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    index = directory / "model.safetensors.index.json"
+    files = json.loads(index.read_text())["weight_map"] if index.exists() else {}
+    shard = directory / files.get(old, "model.safetensors")
+    tensors = load_file(shard)
+    tensors[new] = tensors.pop(old)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    if files:
+        data = json.loads(index.read_text())
+        data["weight_map"][new] = data["weight_map"].pop(old)
+        index.write_text(json.dumps(data, indent=2))

@@ -11,13 +11,14 @@ Modules, in reading order:
 
 - ``mappings``: HF <-> Megatron name tables, one per architecture, as data
   (``archs/``: one module per family);
-- ``bridge``, ``bridge_layouts``: the same knowledge read from the host's Megatron-Bridge
-  bridge at run time, and the bridge's config-dependent layouts;
+- ``bridge``, ``bridge_classes``, ``bridge_layouts``, ``hooks``: the same knowledge read from
+  the host's Megatron-Bridge bridge at run time: its own mapping classes, its config-dependent
+  layouts and its per-weight hook, as data;
 - ``model``: this rank's model (parameters, config, shard) matched to a checkpoint;
 - ``experts``: expert-parallel numbering (local <-> global expert index);
 - ``needs``: which HF tensors each parameter needs, in which dtype, validated;
-- ``transforms``, ``transform_base``, ``slices``, ``interleave``, ``fused``: how full HF
-  tensors become a rank's shard of one parameter;
+- ``transforms``, ``transform_base``, ``slices``, ``interleave``, ``fused``, ``permuted``: how
+  full HF tensors become a rank's shard of one parameter;
 - ``dequantise``, ``unpack``: FP8 block-scaled and packed 4-bit weights, dequantised on
   the rank that receives them.
 """

@@ -11,11 +11,11 @@ rank only what it takes, as with the built-in tables.
 A multimodal model's towers (vision, audio) are parameters like the decoder's:
 mostly ``ReplicatedMapping`` over ``prefix.**`` (read whole by each rank), a
 TP-sharded ViT's ``ConcatenatedQKVMapping`` (three row ranges per group). All or
-nothing: a mapping class not in :data:`TRANSLATED` (subclasses included), an
-``AutoMapping`` with ``permute_dims``, a module whose parallelism ``AutoMapping``
-cannot tell, or a bridge whose ``maybe_modify_loaded_hf_weight`` does more than
-megastart does itself (:data:`REPRODUCED_HOOKS`) leaves the whole load to the
-bridge (:class:`Untranslatable`, decided on every rank together). What the bridge
+nothing: a mapping class not in :data:`TRANSLATED` (subclasses included), a module whose
+parallelism ``AutoMapping`` cannot tell, a bridge whose ``maybe_modify_loaded_hf_weight``
+megastart does not recognise, or a subclass of a bridge from outside Megatron-Bridge
+(:mod:`~megastart.loader.mapping.hooks`) leaves the whole load to the bridge
+(:class:`Untranslatable`, decided on every rank together). What the bridge
 leaves alone, megastart leaves too: adapter parameters (LoRA) and parameters no
 mapping names (:meth:`BridgeTable.leaves`).
 """
@@ -26,10 +26,26 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from megastart.errors import PlanError
-from megastart.loader.checkpoint.quantised import INT4, MXFP4, PACKED_SUFFIXES, Quantisation
+from megastart.loader.checkpoint.quantised import Quantisation
 from megastart.loader.mapping.archs.table import MappingTable, Rule
+from megastart.loader.mapping.bridge_classes import (
+    BRIDGE_CLASSES,
+    expert_number,
+    own_class,
+    picked_row,
+)
 from megastart.loader.mapping.bridge_layouts import CONFIGURED, configured, gated_qkv, zero_centred
+from megastart.loader.mapping.hooks import (
+    Untranslatable,
+    check_class,
+    dequantises_form,
+    derived_qkv,
+    hook_of,
+    legacy_names,
+    recognise,
+    wrapped,
+)
+from megastart.loader.mapping.permuted import permuted_name
 
 TRANSLATED = {
     "AutoMapping": "",  # the parallelism of the module: column, row or replicated
@@ -53,40 +69,15 @@ _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 _EXPERT = {"gate_up": "expert_gate_up", "row_parallel": "expert_row_parallel"}
 """Transforms of routed experts, split over expert tensor parallelism instead."""
 
-REPRODUCED_HOOKS = {
-    "MegatronModelBridge.maybe_modify_loaded_hf_weight",
-    # dequantises FP8 block-scaled weights with their *_scale_inv, as megastart does
-    "DeepSeekV3Bridge.maybe_modify_loaded_hf_weight",
-    # the same helper (quantization_utils.maybe_dequantize_fp8_blockwise), 128x128 blocks
-    "MiniMaxM2Bridge.maybe_modify_loaded_hf_weight",
-    # returns each weight as loaded, an INT4 one dequantised as megastart does (PACKED_HOOKS)
-    "KimiK25VLBridge.maybe_modify_loaded_hf_weight",
-}
-"""``maybe_modify_loaded_hf_weight`` implementations (by qualified name) whose result
-megastart's own load equals."""
-
-
-PACKED_HOOKS = {
-    MXFP4: "GPTOSSBridge.maybe_modify_loaded_hf_weight",  # dequantize_mxfp4 of X_blocks
-    INT4: "KimiK25VLBridge.maybe_modify_loaded_hf_weight",  # dequantize_int4 of X.weight_packed
-}
-"""Per packing (:mod:`megastart.loader.mapping.unpack`), the hook that dequantises it: where the host's
-bridge has it, megastart dequantises each rank's slices as the hook does the whole tensor."""
-
 
 def dequantises(quantisation: Quantisation, bridge: Any) -> bool:
     """Whether megastart dequantises this quantised checkpoint on this load: FP8 block-scaled
-    always; a packed one where the host's bridge's hook dequantises it (:data:`PACKED_HOOKS`)."""
+    always; a packed one where the host's bridge's hook dequantises it (:data:`~megastart.loader.mapping.hooks.HOOKS`)."""
     if quantisation.weight_block is not None:
         return True
     if not quantisation.packing or bridge is None:
         return False
-    hook = type(model_bridge(bridge)).maybe_modify_loaded_hf_weight.__qualname__
-    return hook == PACKED_HOOKS[quantisation.packing]
-
-
-class Untranslatable(PlanError):
-    """The bridge's mappings are not all ones megastart reproduces: the bridge loads."""
+    return dequantises_form(model_bridge(bridge), quantisation.packing)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,29 +111,6 @@ def model_bridge(bridge: Any) -> Any:
     return inner
 
 
-HOOK_TRANSFORMS = {
-    # swaps the column halves of MTP's input_proj.weight, returns the rest as loaded
-    "MimoBridge.maybe_modify_loaded_hf_weight": (".input_proj.weight", "swapped_halves"),
-    # transposes bf16 experts' down_proj to [E, H, I]: the down transform orients by shape
-    # as the hook does; an MXFP4 one, dequantised [E, H, I] by the hook (PACKED_HOOKS), it
-    # leaves as it is, and so does megastart
-    "GPTOSSBridge.maybe_modify_loaded_hf_weight": (".mlp.experts.down_proj", "oriented"),
-}
-"""Hooks that change some weights in a way one transform reproduces: the HF name's suffix
-they change, and the transform wrapped around the mapping's own."""
-
-
-def check_hooks(bridge: Any) -> None:
-    """Raise :class:`Untranslatable` if the bridge changes loaded weights in a way megastart
-    does not reproduce."""
-    hook = type(bridge).maybe_modify_loaded_hf_weight
-    if hook.__qualname__ not in REPRODUCED_HOOKS and hook.__qualname__ not in HOOK_TRANSFORMS:
-        raise Untranslatable(
-            f"Megatron-Bridge's {type(bridge).__name__} changes each loaded weight "
-            f"({hook.__qualname__}), which megastart does not reproduce"
-        )
-
-
 def bridge_table(
     bridge: Any,
     params: list[tuple[str, Any, bool]],
@@ -157,10 +125,11 @@ def bridge_table(
     ``tied`` embeddings the bridge leaves the output layer to the embedding. ``stored``: an
     HF tensor's dtype in the checkpoint (where a mapping computes in it)."""
     bridge = model_bridge(bridge)
-    check_hooks(bridge)
+    hook = recognise(bridge)
     registry = bridge.mapping_registry()
     for mapping in registry.get_all_mappings():
         _check_class(bridge, mapping)
+    check_class(bridge)
     by_name: dict[str, Rule] = {}
     left: set[str] = set()
     is_adapter = getattr(bridge, "_is_adapter_param_name", lambda name: False)
@@ -172,7 +141,9 @@ def bridge_table(
             left.add(canonical)
             continue
         mapping = registry.megatron_to_hf_lookup(unwrap_lora(canonical))
-        if mapping is not None:
+        if mapping is not None and hook.leaves(mapping.hf_param, stored):
+            left.add(canonical)
+        elif mapping is not None:
             by_name[canonical] = _rule(bridge, mapping, canonical, module, stored)
         elif not buffer:  # a buffer no mapping names is state the load does not touch
             left.add(canonical)
@@ -188,57 +159,25 @@ def _check_class(bridge: Any, mapping: Any) -> None:
             f"Megatron-Bridge's {type(bridge).__name__} maps {mapping.megatron_param!r} with "
             f"{kind}, which megastart does not translate"
         )
-    if getattr(mapping, "permute_dims", None) is not None:
-        raise Untranslatable(
-            f"Megatron-Bridge's {type(bridge).__name__} maps {mapping.megatron_param!r} with a "
-            f"permuted AutoMapping, which megastart does not translate"
-        )
 
 
 _STANDARD_MODULE = "megatron.bridge.models.conversion.param_mapping"
-
-BRIDGE_CLASSES = {
-    # MiniMax-M2's Q/K norms over all heads: a TP shard, replicated where key heads < TP
-    "megatron.bridge.models.minimax_m2.minimax_m2_bridge._FullDimQKNormMapping": "column_shards",
-    # Ernie-4.5's: the standard classes (theirs change only the export), a squeezed bias
-    **{
-        f"megatron.bridge.models.ernie.ernie_45_bridge._PPSafe{base}": base
-        for base in ("AutoMapping", "ReplicatedMapping", "GatedMLPMapping")
-    },
-    "megatron.bridge.models.ernie.ernie_45_bridge._SqueezeBiasMapping": "squeezed",
-    # gpt-oss's experts: expert e of [E, ...] tensors, gate/up interleaved by row, down
-    # transposed by the bridge's hook (gpt_oss_bridge), biases replicated per expert
-    "megatron.bridge.models.gpt_oss.gpt_oss_bridge.GPTOSSMLPGateUpProjMapping": "even_odd_gate_up",
-    "megatron.bridge.models.gpt_oss.gpt_oss_bridge.GPTOSSMLPDownProjMapping": "AutoMapping",
-    # Step-3.5's stacked experts: expert e of [E, ...] tensors, then as the standard class
-    "megatron.bridge.models.stepfun.step35_bridge.StackedExpertAutoMapping": "AutoMapping",
-    "megatron.bridge.models.stepfun.step35_bridge.StackedExpertGatedMLPMapping": "GatedMLPMapping",
-}
-"""Mapping classes of one bridge's own (by module and class): a transform, or the standard
-class whose translation they take for one expert of stacked tensors."""
-_ONE_EXPERT = {
-    "FusedExpertMapping",
-    "StackedExpertAutoMapping",
-    "StackedExpertGatedMLPMapping",
-    "GPTOSSMLPGateUpProjMapping",
-    "GPTOSSMLPDownProjMapping",
-}
-"""Classes that take expert ``e``'s slice of ``[E, ...]`` tensors, then do their base's work."""
 
 
 def _rule(
     bridge: Any, mapping: Any, canonical: str, module: Any, stored: Callable[[str], str | None]
 ) -> Rule:
     kind = type(mapping).__name__
-    own = BRIDGE_CLASSES.get(f"{type(mapping).__module__}.{kind}", kind)
-    one_expert = kind in _ONE_EXPERT
+    own = own_class(mapping)
+    row = picked_row(mapping, canonical)  # the dim-0 index it takes first, or None
     if own not in TRANSLATED:  # a bridge's own class with a transform of its own
-        if one_expert:
-            own = f"fused_expert:{_expert_number(canonical)}:{own}"
+        if row is not None:
+            own = f"fused_expert:{row}:{own}"
         return Rule((canonical,), (mapping.hf_param,), own)
     kind = own  # a standard class, or one doing a standard class's work on one expert's slice
     hf = mapping.hf_param
     names = (hf,) if isinstance(hf, str) else tuple(hf[k] for k in _INPUTS[kind])
+    names = legacy_names(hook_of(bridge), names, stored)
     transform = TRANSLATED[kind]
     if kind in CONFIGURED:
         layout = configured(kind, mapping, module)
@@ -249,6 +188,9 @@ def _rule(
             )
         return Rule((canonical,), names, layout)
     if kind == "QKVMapping":
+        derived = derived_qkv(hook_of(bridge), mapping._get_config(module), names, stored)
+        if derived is not None:  # V (or K and V) made from what the checkpoint holds
+            return Rule((canonical,), *derived)
         transform = gated_qkv(mapping, module) or transform
     if TRANSLATED[kind] == "":  # AutoMapping and its subclasses: the module's parallelism
         try:
@@ -258,7 +200,7 @@ def _rule(
                 f"Megatron-Bridge's {type(bridge).__name__}: {e}".splitlines()[0]
             ) from None
     if kind == "FusedGatedExpertMapping":
-        return Rule((canonical,), names, f"{transform}:{_expert_number(canonical)}")
+        return Rule((canonical,), names, f"{transform}:{expert_number(canonical)}")
     if transform == "column_parallel" and _language_part(canonical) in _VOCAB:
         transform = "vocab"
     if mapping.is_expert:
@@ -268,16 +210,11 @@ def _rule(
                 f"Megatron-Bridge's {type(bridge).__name__} maps the expert parameter "
                 f"{canonical!r} with {kind} ({transform}), which megastart does not translate"
             )
-    if one_expert:
-        transform = f"fused_expert:{_expert_number(canonical)}:{transform}"
-    suffix, wrapper = HOOK_TRANSFORMS.get(
-        type(bridge).maybe_modify_loaded_hf_weight.__qualname__, ("", "")
-    )
-    if wrapper == "oriented" and isinstance(hf, str) and hf.endswith(suffix):
-        if stored(hf + PACKED_SUFFIXES[MXFP4][0]) is None:  # not MXFP4 (X_blocks)
-            transform = transform.replace("expert_row_parallel", "expert_oriented_row_parallel")
-    elif wrapper and isinstance(hf, str) and hf.endswith(suffix):
-        transform = f"{wrapper}:{transform}"
+    if getattr(mapping, "permute_dims", None) is not None:  # turned before it is cut
+        transform = permuted_name(mapping.permute_dims, transform)
+    if row is not None:
+        transform = f"fused_expert:{row}:{transform}"
+    transform = wrapped(hook_of(bridge), hf, transform, stored)
     if kind == "RMSNorm2ZeroCenteredRMSNormMapping":
         centred = zero_centred(transform, stored(names[0]))
         if centred is None:
@@ -299,13 +236,6 @@ def _language_part(canonical: str) -> str:
 
 _LANGUAGE_MODELS = ("thinker.language_model.", "language_model.", "llava_model.language_model.")
 """Where multimodal models built by Megatron-Bridge hold their language model."""
-
-
-def _expert_number(canonical: str) -> int:
-    """The (global) expert a fused mapping takes from dim 0, found as the bridge finds it."""
-    from megatron.bridge.utils.common_utils import extract_expert_number_from_param
-
-    return int(extract_expert_number_from_param(canonical))
 
 
 _INPUTS = {"QKVMapping": ("q", "k", "v"), "GatedMLPMapping": ("gate", "up"), **CONFIGURED}

@@ -1,6 +1,7 @@
 """Megatron-Bridge mappings whose layout depends on the model's config: gated attention's QKV,
-the gated delta net's input projection and convolution, Mamba's convolution and zero-centred
-norms, each as the :mod:`~megastart.loader.mapping.interleave` transform that reproduces its merge.
+the gated delta net's input projection and convolution, Mamba's input projection and
+convolution, MiMo-V2-Flash's QKV with narrower V heads, and zero-centred norms, each as the
+:mod:`~megastart.loader.mapping.interleave` transform that reproduces its merge.
 
 The dims come from the ``TransformerConfig`` the bridge's own merge reads
 (``mapping._get_config(module)``), so both see the same numbers.
@@ -17,8 +18,10 @@ CONFIGURED = {
     "GDNLinearMappingSeparate": ("qkv", "z", "b", "a"),
     "GDNConv1dMapping": (),
     "MambaConv1dMapping": (),
+    "MambaInProjMapping": (),
     "ConcatenatedQKVMapping": (),
     "QKVGMapping": ("q", "k", "v", "g"),
+    "MiMoV2FlashQKVMapping": ("q", "k", "v"),
 }
 """Mapping classes (by exact class) :func:`configured` translates, and the order of their HF
 inputs (``()``: one)."""
@@ -30,10 +33,14 @@ def configured(kind: str, mapping: Any, module: Any) -> str | None:
     config = mapping._get_config(module)
     if kind == "MambaConv1dMapping":
         return mamba_conv1d(config)
+    if kind == "MambaInProjMapping":
+        return mamba_in_proj(config)
     if kind == "ConcatenatedQKVMapping":
         return concatenated_qkv(config)
     if kind == "QKVGMapping":
         return qkv_scalar_gate(config)
+    if kind == "MiMoV2FlashQKVMapping":
+        return asymmetric_qkv(config)
     dims = (
         config.linear_num_key_heads,
         config.linear_num_value_heads,
@@ -87,6 +94,23 @@ def qkv_scalar_gate(config: Any) -> str | None:
     return interleave.gated_qkv_scalar(heads, config.num_query_groups or heads, head_dim)
 
 
+def asymmetric_qkv(config: Any) -> str:
+    """MiMo-V2-Flash's QKV (``MiMoV2FlashQKVMapping``): per group its query heads and its K
+    head of ``kv_channels`` rows, then its V head of ``v_head_dim`` rows."""
+    heads, groups = config.num_attention_heads, config.num_query_groups
+    qk, v = config.kv_channels, config.v_head_dim
+    per = heads // groups
+    return interleave.spec(
+        groups,
+        True,
+        [
+            interleave.Component(0, per * qk, 0, per * qk),
+            interleave.Component(1, qk, 0, qk),
+            interleave.Component(2, v, 0, v),
+        ],
+    )
+
+
 def mamba_conv1d(config: Any) -> str:
     """Mamba's ``conv1d``: ``[x; B; C]`` channels, each split over TP (``MambaConv1dMapping``):
     per group, its heads' ``x`` channels and its ``B`` and ``C`` state channels."""
@@ -101,6 +125,26 @@ def mamba_conv1d(config: Any) -> str:
             interleave.Component(0, per, 0, per),
             interleave.Component(0, state, x, state),
             interleave.Component(0, state, x + state * groups, state),
+        ],
+    )
+
+
+def mamba_in_proj(config: Any) -> str:
+    """Mamba's ``in_proj`` (``MambaInProjMapping``): HF's ``[z; x; B; C; dt]`` rows, each split
+    over TP, as ``[z; x; B; C; dt]`` of the rank's share: per group (TP divides Mamba's groups)
+    its heads' ``z`` and ``x`` rows, its ``B`` and ``C`` state rows and its heads' ``dt``."""
+    groups, heads = config.mamba_num_groups, config.mamba_num_heads
+    inner, state = heads * config.mamba_head_dim, config.mamba_state_dim
+    per, dt = inner // groups, heads // groups
+    return interleave.spec(
+        groups,
+        False,
+        [
+            interleave.Component(0, per, 0, per),
+            interleave.Component(0, per, inner, per),
+            interleave.Component(0, state, 2 * inner, state),
+            interleave.Component(0, state, 2 * inner + groups * state, state),
+            interleave.Component(0, dt, 2 * (inner + groups * state), dt),
         ],
     )
 

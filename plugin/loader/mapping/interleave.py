@@ -34,6 +34,11 @@ if TYPE_CHECKING:
     import torch
 
 
+ZERO = -1
+"""A :class:`Component`'s ``input`` for rows of zeros (Gemma 4's K and V on layers that share
+another's: its bridge's hook makes them zero), written with input 0's last block."""
+
+
 @dataclass(frozen=True, slots=True)
 class Component:
     """Group ``h``'s rows ``[offset + h * stride, + length)`` of HF input ``input``; with
@@ -75,6 +80,8 @@ class Interleave(RowBlocks):
         problems = []
         for index, (name, got) in enumerate(hf):
             mine = [c for c in self.components if c.input == index]
+            if not mine:
+                continue
             need = max(c.offset + (self.groups - 1) * c.stride + c.rows for c in mine)
             if not got or got[0] != need or tuple(got[1:]) != tuple(local[1:]):
                 want = [need, *local[1:]]
@@ -88,7 +95,11 @@ class Interleave(RowBlocks):
         first = shard.tp_rank * mine
         before = 0  # rows of the components ahead of this one, per group
         for c in self.components:
-            if c.input == index:
+            if c.input == ZERO and index == 0 and rows.stop == rows.total:
+                yield from _zeros(
+                    source, c, mine, self._group_rows if self.group_major else 0, before
+                )
+            elif c.input == index:
                 for j in range(mine):
                     start = c.offset + (first + j) * c.stride
                     if self.group_major:
@@ -104,6 +115,19 @@ class Interleave(RowBlocks):
     @property
     def _group_rows(self) -> int:
         return sum(c.length for c in self.components)
+
+
+def _zeros(
+    source: torch.Tensor, c: Component, mine: int, group_rows: int, before: int
+) -> Iterator[Piece]:
+    """``c.length`` rows of zeros per local group, laid out group by group (``group_rows``
+    apart) or component by component (``group_rows`` 0: the groups' rows in a run)."""
+    import torch
+
+    zeros = torch.zeros((c.length, *source.shape[1:]), dtype=source.dtype, device=source.device)
+    for j in range(mine):
+        dest = j * group_rows + before if group_rows else mine * before + j * c.length
+        yield dest, dest + c.length, zeros
 
 
 def _repeated(

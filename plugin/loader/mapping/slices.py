@@ -243,3 +243,25 @@ def expert_shard(shard: Shard) -> Shard:
     if shard.expert_tp_size is None or shard.expert_tp_rank is None:
         return shard
     return replace(shard, tp_rank=shard.expert_tp_rank, tp_size=shard.expert_tp_size)
+
+
+class RowRange(RowBlocks):
+    """Rows ``[start, stop)`` of the HF tensor as the whole parameter (DeepSeek-V4's
+    hyper-connection alphas, each one element of a stacked ``[3]`` scale)."""
+
+    def __init__(self, start: int, stop: int) -> None:
+        self.start, self.stop = start, stop
+
+    def check(self, hf: Sequence[Named], local: Shape, shard: Shard) -> list[str]:
+        ((name, got),) = hf
+        if not got or got[0] < self.stop or (self.stop - self.start, *got[1:]) != tuple(local):
+            return [
+                f"HF tensor {name!r} has shape {list(got)}, expected rows [{self.start}, "
+                f"{self.stop}) of it to make {list(local)}"
+            ]
+        return []
+
+    def blocks(
+        self, index: int, source: torch.Tensor, rows: Rows, local: Shape, shard: Shard
+    ) -> Iterator[Piece]:
+        return place(source, rows, self.start, self.stop, 0)

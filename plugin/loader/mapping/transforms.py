@@ -26,6 +26,7 @@ from megastart.loader.mapping.fused import (
     FusedGatedExpert,
     OrientedRowParallel,
 )
+from megastart.loader.mapping.permuted import Permuted
 from megastart.loader.mapping.slices import (
     ColumnParallel,
     ColumnShards,
@@ -34,6 +35,7 @@ from megastart.loader.mapping.slices import (
     Qkv,
     Replicated,
     RowParallel,
+    RowRange,
     Squeezed,
     SwappedHalves,
     Vocab,
@@ -55,7 +57,7 @@ __all__ = [
 class _Transforms(dict[str, Transform]):
     """The transforms by name; a parameterised name makes its transform on first use:
     ``fused_expert:{e}:{inner}``, ``fused_gated_expert:{e}``, ``zero_centred:{dtype}:{inner}``,
-    ``swapped_halves:{inner}``
+    ``swapped_halves:{inner}``, ``permuted:{dims}:{inner}``, ``rows:{start}:{stop}``
     and ``interleave:...`` (:mod:`megastart.loader.mapping.interleave`)."""
 
     def __missing__(self, name: str) -> Transform:
@@ -65,6 +67,10 @@ class _Transforms(dict[str, Transform]):
             made: Transform = interleave.parse(args)
         elif kind == "swapped_halves" and args in self:
             made = SwappedHalves(self[args])
+        elif kind == "rows" and expert.isdigit() and inner.isdigit():
+            made = RowRange(int(expert), int(inner))
+        elif kind == "permuted" and inner in self:
+            made = Permuted(tuple(map(int, expert.split("."))), self[inner])
         elif kind == "zero_centred" and inner in self:
             made = interleave.ZeroCentred(self[inner], expert)
         elif kind == "fused_expert" and inner in self:
