@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import nox
 
-nox.options.sessions = ["lint", "tests", "megatron", "verl", "bridge", "verl07", "areal"]
+nox.options.sessions = ["lint", "tests", "megatron", "verl", "bridge", "verl07", "areal", "areal2"]
 nox.options.reuse_existing_virtualenvs = True
 nox.options.default_venv_backend = "uv|virtualenv"
 
@@ -288,8 +288,42 @@ def areal(session: nox.Session) -> None:
     so the tests put a stub on ``sys.path`` (tests/support/stubs). megastart
     goes in as a wheel so that Hydra 1.3 finds its SearchPathPlugin.
     """
+    install_areal(session, AREAL)
+    session.run("pytest", *(session.posargs or ["tests/hosts/areal", "-x", "-q"]))
+
+
+AREAL2_WHEEL = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)),
+    "..",
+    "shared",
+    "hosts",
+    "areal-2.0.0-py3-none-any.whl",
+)
+"""AReaL 2.0.0, released as a git tag only: a wheel built unchanged from it (../shared/hosts/README.md)."""
+AREAL2_TESTS = (
+    # what 2.0.0 changed under the adapter: the restart (its recover load waits for async
+    # saves first), the hooks' order, the critic; activation is the same code as 1.0.4's
+    *("tests/hosts/areal/test_areal_skip_hf_load.py", "tests/hosts/areal/test_areal_recover.py"),
+    "tests/hosts/areal/test_areal_critic.py",
+)
+
+
+@session
+def areal2(session: nox.Session) -> None:
+    """The AReaL adapter against the real AReaL 2.0.0 (CPU, gloo), installed as the ``areal``
+    session installs 1.0.4, from the wheel in ../shared/hosts (skipped where it is absent)."""
+    if not os.path.exists(AREAL2_WHEEL):
+        session.skip(f"AReaL 2.0.0's wheel is not at {os.path.normpath(AREAL2_WHEEL)}")
+    install_areal(session, AREAL2_WHEEL)
+    session.run("pytest", *(session.posargs or [*AREAL2_TESTS, "-x", "-q"]))
+
+
+def install_areal(session: nox.Session, areal: str) -> None:
+    """AReaL ``--no-deps`` (it pins a CUDA torch below 2.11) beside torch 2.13.0 and the pins
+    both 1.0.4 and 2.0.0 declare (megatron-core 0.17.0, megatron-bridge 0.4.0, mbridge 0.15.1,
+    transformers 5.3.0)."""
     session.install(TORCH)
-    session.install("--no-deps", AREAL)
+    session.install("--no-deps", areal)
     session.install(TORCH, *AREAL_NEEDS)
     reinstall(session, TORCH, "transformers==5.3.0", "numpy<2.5", ".[test]")
     reinstall(session, "tests/fixtures/areal_probe")
@@ -303,4 +337,3 @@ def areal(session: nox.Session) -> None:
         "megatron-bridge==0.4.0",
         "nvidia-modelopt",
     )
-    session.run("pytest", *(session.posargs or ["tests/hosts/areal", "-x", "-q"]))

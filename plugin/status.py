@@ -69,8 +69,19 @@ def collect() -> dict[str, Any]:
         "engines": engines,
         "activation": activation(engines),
         "megatron_core": megatron_core_support(),
+        "last_restart": last_restart(),
         "settings": settings.as_dict(),
     }
+
+
+def last_restart() -> dict[str, Any] | None:
+    """The last HF load a restart skipped on this machine (rank 0 of the job writes it)."""
+    from dataclasses import asdict
+
+    from megastart.restart.report import read_status
+
+    skip = read_status()
+    return None if skip is None else asdict(skip)
 
 
 def activation(engines: list[dict[str, Any]]) -> dict[str, Any]:
@@ -190,6 +201,15 @@ def render(report: dict[str, Any]) -> str:
     ]
     if core["warning"]:
         lines.append(f"  WARNING: {core['warning']}")
+    skip = report.get("last_restart")
+    lines += ["", "last restart on this machine:"]
+    lines.append(
+        "  (no HF load skipped)"
+        if skip is None
+        else f"  {skip['host']}: HF load of {skip['checkpoint']} skipped, "
+        f"{skip['bytes_not_read']:,} bytes not read; the resume from {skip['resume']} "
+        f"restored all {skip['parameters']} parameters of rank 0"
+    )
     lines += ["", "settings (value  <- source):"]
     rows = [
         (key, entry) if "source" in entry else (f"{key}.{field}", sub)

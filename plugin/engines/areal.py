@@ -1,6 +1,6 @@
 """The AReaL adapter: megastart's hooks inside ``areal.engine.megatron_engine``.
 
-Where each hook runs (AReaL 1.0.4):
+Where each hook runs (AReaL 1.0.4 and 2.0.0):
 
 - ``on_model_load`` replaces ``MegatronEngine._load_model_from_hf`` (called by
   ``initialize`` on every start, restarts included); ``None`` runs AReaL's own
@@ -21,6 +21,17 @@ Where each hook runs (AReaL 1.0.4):
   ``eval_batch``: ``compute_logp`` and ``ppo_update`` (and SFT, reward and DPO
   training) reach the Megatron step only through these.
 
+Restarts (:mod:`megastart.restart`): ``initialize`` of a trainable actor (an optimizer, no
+LoRA, not a critic) defers its HF load while ``rank0_loader.skip_hf_load_on_resume`` is on.
+A recover load (``MegatronEngine.load`` of the ``recover_checkpoint``) then replaces it, once
+every rank checked that it restored every parameter; without optimizer state
+(``recover.no_load_optim``) the optimizer's main parameters are refreshed from the model.
+Anything else first (``train_batch``, ``forward_batch``, ``eval_batch``, ``save``,
+``update_weights``, ``offload``, another ``load``) runs the deferred load before it, and
+refreshes the main parameters the optimizer built in ``initialize`` from random weights.
+A worker does not see AReaL's recover info (its ``fileroot`` is the controller's), so a fresh
+start defers too and loads at its first such call.
+
 Every hook is collective, and AReaL's schedulers retry failed RPCs (Ray on a
 timeout, Slurm and local on an HTTP 500 saying "timeout"). After a hook failed,
 every later megastart hook in the process raises
@@ -36,9 +47,9 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 import weakref
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, ClassVar
@@ -56,6 +67,7 @@ from megastart.engines.base import (
     unwrap_chunks,
 )
 from megastart.records import EngineContext
+from megastart.restart import DEFERRALS, Deferred, skip_wanted
 
 log = logging.getLogger("megastart")
 
@@ -73,13 +85,10 @@ class ArealSettings:
     """Settings of the AReaL adapter (section ``areal``, variables ``MEGASTART_AREAL_*``)."""
 
     skip_hf_load_on_recover: bool = False
-    """Defer the HF load that ``MegatronEngine.initialize`` always runs. When the
-    engine's next weight-touching call is a recover load that restores the model
-    and, where the engine has one, the optimizer (``recover.no_load_optim=false``;
-    AReaL's model load is strict), the HF load never runs;
-    any other call (a fresh start's first step, ``save``, ``offload``,
-    ``update_weights``, a load without optimizer) runs the deferred HF load first
-    and refreshes the optimizer's main parameters from it."""
+    """Deprecated (goes in the next release): ``rank0_loader.skip_hf_load_on_resume``
+    (``MEGASTART_RANK0_LOADER_SKIP_HF_LOAD_ON_RESUME``, on by default) replaces it. Given
+    alone it is honoured, with one warning; given with the new setting and disagreeing,
+    the load is refused naming both."""
 
 
 class ArealAdapter(EngineAdapter):
@@ -91,7 +100,7 @@ class ArealAdapter(EngineAdapter):
 
     host: ClassVar[str] = "areal"
     module: ClassVar[str] = "areal.engine.megatron_engine"
-    requirement: ClassVar[str] = "areal>=1.0.4,<1.1"
+    requirement: ClassVar[str] = "areal>=1.0.4,<2.1"
     wraps: ClassVar[dict[str, tuple[str, ...]]] = {
         "MegatronEngine._load_model_from_hf": ("self", "path"),
         "MegatronEngine.load": ("self", "meta"),
@@ -107,7 +116,6 @@ class ArealAdapter(EngineAdapter):
     def __init__(self) -> None:
         super().__init__()
         self._restarted: weakref.WeakSet[Any] = weakref.WeakSet()
-        self._deferred: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         self._wrappers: dict[str, Any] = {}
 
     def _attach(self, module: ModuleType) -> None:
@@ -137,9 +145,8 @@ class ArealAdapter(EngineAdapter):
     def _load_hf(self, wrapped: Wrapped, instance: Any, args: Any, kwargs: Any) -> Any:
         path = argument(wrapped, args, kwargs, 0)
         LATCH.refuse_if_failed("on_model_load")
-        if not instance.initialized and self.settings().skip_hf_load_on_recover:
-            self._deferred[instance] = path
-            log.info("megastart: deferring the HF load of %s (skip_hf_load_on_recover)", path)
+        if not instance.initialized and defers(instance) and skip_wanted():
+            DEFERRALS.defer(instance, self._deferred(instance, path))
             return None
         with answering("on_model_load"):
             report = hook("on_model_load", engine=self.context(instance), checkpoint=path)
@@ -154,17 +161,16 @@ class ArealAdapter(EngineAdapter):
         recover = is_recover_load(meta)
         if recover:
             LATCH.refuse_if_failed("post_recover_load")
-        restores_all = meta.with_optim or instance.optimizer is None
-        if recover and restores_all and instance in self._deferred:
-            path = self._deferred.pop(instance)
-            log.info(
-                "megastart: HF load of %s skipped: the recover checkpoint %s restores "
-                "every parameter (and the optimizer's)",
-                path,
-                meta.path,
-            )
-        self._resolve_deferred(instance)
-        with answering("post_recover_load", "on_model_load"):  # weights a resume reads are its own
+            wait_for_saves(instance)  # AReaL 2.0's load waits first: before megastart's collectives
+        else:
+            DEFERRALS.run(instance, before="MegatronEngine.load")
+        resuming = DEFERRALS.resuming(
+            instance, str(meta.path) if recover else "", restores_optimizer=bool(meta.with_optim)
+        )
+        with (
+            resuming if recover else nullcontext(),
+            answering("post_recover_load", "on_model_load"),  # weights a resume reads are its own
+        ):
             result = wrapped(*args, **kwargs)
         if recover:
             self._restarted.add(instance)
@@ -174,7 +180,7 @@ class ArealAdapter(EngineAdapter):
 
     def _step(self, wrapped: Wrapped, instance: Any, args: Any, kwargs: Any) -> Any:
         LATCH.refuse_if_failed("pre_first_step")
-        self._resolve_deferred(instance)
+        DEFERRALS.run(instance, before=f"MegatronEngine.{wrapped.__name__}")
         with answering("pre_first_step"):
             before_first_step(
                 lambda: hook(
@@ -185,7 +191,7 @@ class ArealAdapter(EngineAdapter):
             return wrapped(*args, **kwargs)
 
     def _uses_weights(self, wrapped: Wrapped, instance: Any, args: Any, kwargs: Any) -> Any:
-        self._resolve_deferred(instance)
+        DEFERRALS.run(instance, before=f"MegatronEngine.{wrapped.__name__}")
         return wrapped(*args, **kwargs)
 
     # -- helpers --------------------------------------------------------------
@@ -209,22 +215,45 @@ class ArealAdapter(EngineAdapter):
             extra={"areal_engine": engine},
         )
 
-    def _resolve_deferred(self, engine: Any) -> None:
-        """Run the HF load deferred by ``skip_hf_load_on_recover``, if still pending."""
-        path = self._deferred.pop(engine, None)
-        if path is None:
-            return
-        start = time.perf_counter()
-        with engine.device:
-            engine._load_model_from_hf(path)
-        if engine.optimizer is not None:
-            engine.optimizer.reload_model_params()
-        log.info(
-            "megastart: ran the deferred HF load of %s (%.2f s): no recover load with "
-            "optimizer state came first",
-            path,
-            time.perf_counter() - start,
+    def _deferred(self, engine: Any, path: str) -> Deferred:
+        """The HF load ``initialize`` puts off: the wrapped ``_load_model_from_hf`` (through
+        ``on_model_load``), under the engine's device as ``initialize`` runs it."""
+        from megastart.loader.settings import resolved
+
+        def load() -> None:
+            with engine.device:
+                engine._load_model_from_hf(path)
+
+        def refresh() -> None:  # initialize built the optimizer from the unloaded weights
+            if engine.optimizer is not None:
+                engine.optimizer.reload_model_params()
+
+        return Deferred(
+            host=self.host,
+            checkpoint=path,
+            load=load,
+            chunks=lambda: unwrap_chunks(list(engine.model)),
+            refresh=refresh,
+            timeout_s=resolved().timeout_s,
         )
+
+
+def defers(engine: Any) -> bool:
+    """Whether a recover load can follow this engine's HF load: a trainable actor (its config
+    has an optimizer), not a critic or a reference (no recover load follows) and not LoRA
+    (its recover checkpoint holds the adapter only)."""
+    config = engine.config
+    trainable = getattr(config, "optimizer", None) is not None
+    return trainable and not config.is_critic and not getattr(config, "use_lora", False)
+
+
+def wait_for_saves(engine: Any) -> None:
+    """AReaL 2.0's ``MegatronCheckpointManager.load_checkpoint`` first waits for pending
+    asynchronous saves (a collective); wait here, so that megastart's collectives of the
+    recover load come after it on every rank, in AReaL's order."""
+    wait = getattr(getattr(engine, "checkpointer", None), "wait_async_saves", None)
+    if wait is not None:
+        wait()
 
 
 def is_recover_load(meta: Any) -> bool:

@@ -82,6 +82,12 @@ class Rank0LoaderSettings:
     progress: bool = True
     """Show a progress bar on the reader (log lines when not on a terminal)."""
 
+    skip_hf_load_on_resume: bool = True
+    """On a restart, put off the HF load the host runs before its resume load
+    (:mod:`megastart.restart`): if the resume restores every parameter it never runs (every
+    rank checks, else every rank fails naming what nothing loaded); anything that needs the
+    weights first runs it. Where a host adapter knows a resume follows: docs/hosts/."""
+
     def __post_init__(self) -> None:
         low, high = BUCKET_MB_RANGE
         if not low <= self.bucket_mb <= high:  # also refuses nan

@@ -204,3 +204,26 @@ def test_status_into_a_pipe_its_reader_closed_ends_quietly():
         code = process.wait(timeout=60)
     assert "BrokenPipeError" not in errors and "Traceback" not in errors, errors
     assert code == 0
+
+
+def test_status_says_the_last_restart_skipped_the_hf_load_and_the_bytes_not_read(tmp_path):
+    from dataclasses import asdict
+
+    from megastart.restart import SkippedLoad
+    from megastart.restart.report import STATUS_FILE
+
+    skip = SkippedLoad(
+        host="areal",
+        checkpoint="/ckpt/hf",
+        resume="/ckpt/recover",
+        bytes_not_read=123456789,
+        parameters=42,
+    )
+    (tmp_path / STATUS_FILE).write_text(json.dumps(asdict(skip)))
+    text = status("status", TMPDIR=str(tmp_path)).stdout
+    assert "HF load of /ckpt/hf skipped, 123,456,789 bytes not read" in text
+    assert json.loads(status("status", "--json", TMPDIR=str(tmp_path)).stdout)[
+        "last_restart"
+    ] == asdict(skip)
+    (tmp_path / "none").mkdir()
+    assert "(no HF load skipped)" in status("status", TMPDIR=str(tmp_path / "none")).stdout

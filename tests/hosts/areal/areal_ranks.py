@@ -34,6 +34,7 @@ def engine_on_cpu(
     engine_class: type | None = None,
     critic: bool = False,
     bridge_type: str = "mbridge",
+    trainable: bool = False,
 ) -> Any:
     """A real (attached) ``MegatronEngine`` on this rank, weights loaded from ``checkpoint``;
     a ``critic`` gets AReaL's ``ValueHead`` as ``make_mcore_model(is_critic=True)`` gives it.
@@ -41,10 +42,15 @@ def engine_on_cpu(
     ``bridge_type="megatron-bridge"`` (AReaL's ``actor.megatron.bridge_type``): AReaL's own
     ``_build_hf_mcore_bridge`` makes the engine's ``AutoBridge``, whose provider builds the
     chunks (on the CPU: :func:`support.bridge_ranks.build`), and AReaL's loader is then the
-    bridge's ``load_hf_weights``."""
+    bridge's ``load_hf_weights``.
+
+    ``trainable``: the config has an optimizer, as an actor's has (a reference's and a
+    critic's HF loads are never deferred); the CPU engine builds no optimizer (with megatron-core
+    0.17 on CPU, AReaL's distributed optimizer neither saves its state nor leaves a recovered
+    model's weights as loaded: docs/hosts/areal.md)."""
     import torch
     from areal.api.alloc_mode import ParallelStrategy
-    from areal.api.cli_args import MegatronEngineConfig, TrainEngineConfig
+    from areal.api.cli_args import MegatronEngineConfig, OptimizerConfig, TrainEngineConfig
     from areal.engine.megatron_utils.checkpointer import MegatronCheckpointManager
     from transformers import AutoConfig
 
@@ -61,6 +67,7 @@ def engine_on_cpu(
         path=checkpoint,
         dtype="float32",
         is_critic=critic,
+        optimizer=OptimizerConfig() if trainable else None,
         megatron=MegatronEngineConfig(bridge_type=bridge_type),
     )
     engine = (engine_class or module.MegatronEngine)(config)
