@@ -76,9 +76,10 @@ def build(
 
 @contextmanager
 def kept_env(*names: str) -> Iterator[None]:
-    """``names`` in the environment as they were before (megatron-core's models set the
-    attention backend's variables there, and assert them in the next model a rank builds)."""
-    saved = {name: os.environ.get(name) for name in names}
+    """``names`` unset while the block builds a model, as in a fresh process, and as they were
+    before afterwards: megatron-core's models set the attention backend's variables there and
+    assert them in the next model a rank builds (a pooled rank builds many, not all here)."""
+    saved = {name: os.environ.pop(name, None) for name in names}
     try:
         yield
     finally:
