@@ -203,6 +203,6 @@ def test_incompatible_areal_version_is_refused_loudly(tmp_path):
     proc = run_python(code, env={"PYTHONPATH": path, **BOOTSTRAP})
     assert last_line(proc.stdout).split() == ["False", "False"]
     assert (
-        "not attaching to areal.engine.megatron_engine: requested areal>=1.0.4,<1.1 "
+        "not attaching to areal.engine.megatron_engine: requested areal>=1.0.4,<2.1 "
         "but found areal 0.9.0" in proc.stderr
     )
