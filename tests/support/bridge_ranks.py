@@ -177,6 +177,9 @@ def bridge_and_megastart(
     """This rank's state after Megatron-Bridge's load and after megastart's, and megastart's
     report (``None``: left to the bridge). ``custom(auto)``: the model bridge both loads go
     through instead of the ``AutoBridge``'s; ``bucket_mb``: megastart's bucket size."""
+    # megatron-core before Megatron set-up, with Transformer Engine blocked: a rank of a pool made
+    # after the parent imported the bridge has the stub on its path (megatron-core would take TE's)
+    import_megatron_bridge()
     with megatron(layout):
         bridge, chunks = build(checkpoint, layout, dtype)
         poison(chunks)
@@ -229,6 +232,7 @@ def tables_agree(checkpoint: str, layout: dict[str, int]) -> dict[str, tuple[Any
     from megastart.loader.mapping.model import local_needs
 
     meta = read_metadata(checkpoint, allow_pickle=False)
+    import_megatron_bridge()  # before Megatron set-up, as in bridge_and_megastart
     with megatron(layout):
         bridge, chunks = build(checkpoint, layout)
         by_bridge = local_needs(chunks, meta, bridge=bridge)[3]
@@ -253,6 +257,7 @@ def leaves_to_the_bridge(
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("megastart").addHandler(handler)
+    import_megatron_bridge()  # before Megatron set-up, as in bridge_and_megastart
     try:
         with megatron({"tp": 2}):
             auto, chunks = build(checkpoint, {"tp": 2})
