@@ -5,10 +5,9 @@ parameter set to NaN before each load so that nothing left untouched passes."""
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from importlib import import_module
 from importlib.util import find_spec
 from typing import Any
@@ -17,6 +16,7 @@ import torch
 
 from megastart.harness.model import cpu_block_spec
 from support.loader_ranks import megatron
+from support.pyrun import started_with
 from support.te_stub import STUBS, import_with_te_stub
 
 
@@ -74,20 +74,11 @@ def build(
     return bridge, chunks
 
 
-@contextmanager
-def kept_env(*names: str) -> Iterator[None]:
+def kept_env(*names: str) -> AbstractContextManager[None]:
     """``names`` unset while the block builds a model, as in a fresh process, and as they were
     before afterwards: megatron-core's models set the attention backend's variables there and
     assert them in the next model a rank builds (a pooled rank builds many, not all here)."""
-    saved = {name: os.environ.pop(name, None) for name in names}
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    return started_with(dict.fromkeys(names))
 
 
 @contextmanager

@@ -32,17 +32,22 @@ def run_python(
 
 
 @contextmanager
-def started_with(env: Mapping[str, str]) -> Iterator[None]:
-    """Processes started inside the block (a ``RankPool``'s spawned ranks) start with
-    ``env`` in their environment: for variables read at interpreter start-up
-    (``AUTOWRAPT_BOOTSTRAP``), which ``RankPool(env=...)`` sets too late."""
+def started_with(env: Mapping[str, str | None]) -> Iterator[None]:
+    """``env`` in this process's environment inside the block (``None``: unset), as it was
+    afterwards. Processes started inside the block (a ``RankPool``'s spawned ranks) start with
+    it: for variables read at interpreter start-up (``AUTOWRAPT_BOOTSTRAP``), which
+    ``RankPool(env=...)`` sets too late."""
     saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
+    _set(env)
     try:
         yield
     finally:
-        for name, value in saved.items():
-            if value is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = value
+        _set(saved)
+
+
+def _set(env: Mapping[str, str | None]) -> None:
+    for name, value in env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value

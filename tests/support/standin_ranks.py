@@ -13,6 +13,7 @@ from typing import Any
 
 from support.library_ranks import attached, recording
 from support.loader_ranks import TOKENS, build, megatron
+from support.pyrun import started_with
 
 STANDINS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "standins")
 
@@ -25,18 +26,12 @@ def standins(**env: str) -> Iterator[None]:
     if STANDINS not in sys.path:
         sys.path.insert(0, STANDINS)
         importlib.invalidate_caches()
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    reset()
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    with started_with(env):
         reset()
+        try:
+            yield
+        finally:
+            reset()
 
 
 def slime_hf_start(checkpoint: str, layout: dict[str, int], **env: str) -> dict[str, Any]:
