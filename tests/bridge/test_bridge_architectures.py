@@ -2,8 +2,9 @@
 on every rank, from models built by the bridge's own provider on CPU: a vision-language model
 (the language model's decoder and the vision tower, its parameters outside any GPT decoder,
 mostly ``ReplicatedMapping`` over ``visual.**``: the tower is each rank's whole, the decoder
-its TP slice), Ernie-4.5-MoE (mapping classes of its bridge's own) and a Mamba hybrid
-(Nemotron-H: Mamba's in_proj split by group over TP)."""
+its TP slice), Ernie-4.5-MoE (mapping classes of its bridge's own), Ernie-4.5-VL (two expert
+pools per layer, routers stored transposed) and a Mamba hybrid (Nemotron-H: Mamba's in_proj
+split by group over TP)."""
 
 from __future__ import annotations
 
@@ -64,6 +65,35 @@ def test_ernie_4_5_moe_loads_as_megatron_bridge_loads_it(
         assert report is not None, f"rank {rank}: megastart left the load to the bridge"
         bias = [n for n in theirs if n.endswith("router.expert_bias")]
         assert bias and not any(theirs[n].isnan().any() for n in bias), bias
+        differ = differences(theirs, ours)
+        assert not differ, f"rank {rank}: these differ from the bridge's load: {differ}"
+
+
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"ep": 2}], ids=["tp2", "ep2"])
+def test_ernie_4_5_vl_loads_as_megatron_bridge_loads_it(
+    rank_pools: dict[int, RankPool],
+    tmp_path_factory: pytest.TempPathFactory,
+    layout: dict[str, int],
+) -> None:
+    """The bridge's own model (its dual-pool decoder spec on megatron-core's local modules, the
+    HF vision tower and resampler): routers stored ``[hidden, experts]`` (a permuted
+    ``AutoMapping``), vision expert ``j`` stored as expert ``j + 4``, each pool's expert bias
+    one row of a ``[2, 4]`` tensor, the resampler's ``spatial_linear.0`` as ``fc1``."""
+    if version("megatron-bridge") < "0.6":
+        pytest.skip("Megatron-Bridge before 0.6 has no Ernie-4.5-VL bridge")
+    directory = make_tiny("ernie4_5_vl_moe", Path(tmp_path_factory.mktemp("ernie_vl")))
+    for rank, (theirs, ours, report) in enumerate(
+        rank_pools[2].run(bridge_and_megastart, str(directory), layout)
+    ):
+        assert report is not None, f"rank {rank}: megastart left the load to the bridge"
+        tower = [n for n in theirs if n.split(":")[1].startswith(("vision_tower.", "resampler"))]
+        pools = [n for n in theirs if "_moe_layer." in n and "tokens_per_expert" not in n]
+        permuted = [n for n in pools if n.endswith("router.weight")]
+        loaded = [*tower, *pools]
+        experts = 2 * 2 * 4 // layout.get("ep", 1)  # two pools, fc1 and fc2 per expert
+        assert len(tower) > 30 and len(permuted) == 2 and len(pools) == experts + 4, loaded
+        unloaded = [n for n in loaded if theirs[n].isnan().any() and "inv_freq" not in n]
+        assert not unloaded, f"rank {rank}: the bridge left these: {unloaded}"
         differ = differences(theirs, ours)
         assert not differ, f"rank {rank}: these differ from the bridge's load: {differ}"
 

@@ -255,6 +255,11 @@ def test_global_expert_names() -> None:
         global_expert_name("decoder.layers.3.mlp.experts.linear_fc2.bias1", 4)
         == "decoder.layers.3.mlp.experts.linear_fc2.bias5"
     )
+    for pool in ("text", "vision"):  # Ernie-4.5-VL's two pools, each numbered from 0 per rank
+        local = f"language_model.decoder.layers.1.mlp.{pool}_moe_layer.experts.local_experts.1"
+        assert global_expert_name(f"{local}.linear_fc1.weight", 4) == (
+            f"{local[:-1]}5.linear_fc1.weight"
+        )
     unchanged = "decoder.layers.3.mlp.shared_experts.linear_fc1.weight"
     assert global_expert_name(unchanged, 4) == unchanged
 

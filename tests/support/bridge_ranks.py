@@ -42,8 +42,12 @@ def build(
     if bridge is None:
         bridge = import_megatron_bridge().AutoBridge.from_hf_pretrained(checkpoint)
     provider = bridge.to_megatron_provider(load_weights=False)
+    own = OWN_CPU_SPECS.get(
+        getattr(getattr(provider, "transformer_layer_spec", None), "__name__", "")
+    )
     if device == "cpu":
-        provider.transformer_layer_spec = cpu_block_spec
+        if own is None:
+            provider.transformer_layer_spec = cpu_block_spec
         if hasattr(provider, "hybrid_stack_spec"):  # Mamba hybrids: megatron-core's local spec
             provider.hybrid_stack_spec = local_hybrid_stack_spec
         for fused in CPU_OFF:
@@ -64,6 +68,7 @@ def build(
     provider.finalize()
     with (
         torch_final_norm(device == "cpu" and hasattr(provider, "hybrid_stack_spec")),
+        without_te(own if device == "cpu" else None),
         kept_env("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"),
     ):
         chunks = provider.provide_distributed_model(
@@ -79,6 +84,33 @@ def kept_env(*names: str) -> AbstractContextManager[None]:
     before afterwards: megatron-core's models set the attention backend's variables there and
     assert them in the next model a rank builds (a pooled rank builds many, not all here)."""
     return started_with(dict.fromkeys(names))
+
+
+OWN_CPU_SPECS = {
+    "get_ernie45_vl_decoder_block_spec": (
+        "megatron.bridge.models.ernie_vl.modeling_ernie45_vl.ernie_decoder_layer_spec"
+    ),
+}
+"""Providers' own layer specs kept on the CPU (megatron-core's would lack their layers: Ernie-
+4.5-VL's text and vision expert pools), by name, and the module whose ``HAVE_TE`` picks
+Transformer Engine's classes or megatron-core's local ones (no fused input norms then:
+``linear_qkv.layer_norm_weight`` and a dense layer's ``linear_fc1.layer_norm_weight`` are
+absent from both loads)."""
+
+
+@contextmanager
+def without_te(module: str | None) -> Iterator[None]:
+    """While building a model: ``module``'s ``HAVE_TE`` off (the stub makes it true)."""
+    if module is None:
+        yield
+        return
+    spec = import_module(module)
+    saved = spec.HAVE_TE
+    spec.HAVE_TE = False
+    try:
+        yield
+    finally:
+        spec.HAVE_TE = saved
 
 
 @contextmanager

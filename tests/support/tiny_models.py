@@ -75,6 +75,19 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
         ),
         dict(out_hidden_size=64),
     ),
+    "ernie4_5_vl_moe": (  # layer 0 dense, layer 1 a text and a vision pool of 4 experts each
+        "Ernie4_5_VLMoeForConditionalGeneration",
+        dict(
+            num_hidden_layers=2,
+            head_dim=16,
+            moe_num_experts=4,
+            moe_k=2,
+            moe_intermediate_size=[32, 16],  # text, vision experts
+            moe_num_shared_experts=1,
+            rope_parameters={"rope_type": "default", "mrope_section": [3, 3, 2]},
+        ),
+        {},
+    ),
 }
 """Per vision-language ``model_type``: the architecture, and what its text and vision configs
 add."""

@@ -16,10 +16,13 @@ from typing import Any
 
 from megastart.errors import PlanError
 
-_LOCAL_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)(?=\.)")
-"""Sequential MLP: ``...mlp.experts.local_experts.{i}.linear_fc1.weight``."""
+_LOCAL_EXPERT = re.compile(r"(\.experts\.local_experts\.)(\d+)(?=\.)")
+"""Sequential MLP: ``...mlp.experts.local_experts.{i}.linear_fc1.weight``, and wherever a
+layer holds its experts (Ernie-4.5-VL's two pools: ``mlp.text_moe_layer.experts...`` and
+``mlp.vision_moe_layer.experts...``), as Megatron-Bridge finds them (``.experts.local_experts.``
+anywhere in the name)."""
 
-_GROUPED_EXPERT = re.compile(r"(\.mlp\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")
+_GROUPED_EXPERT = re.compile(r"(\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")
 """Grouped GEMM (Transformer Engine): ``...mlp.experts.linear_fc1.weight{i}``, and
 ``bias{i}`` where the experts have biases (gpt-oss)."""
 
