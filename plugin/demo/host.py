@@ -85,12 +85,42 @@ def save_recover_checkpoint(directory: str) -> None:
     save_checkpoint(_STATE["chunks"], directory)
 
 
-def restore_recover_checkpoint(directory: str) -> None:
-    """The restart: a freshly built model restored from the distributed checkpoint."""
+class _Model:
+    """What owns this rank's model for :mod:`megastart.restart` (held weakly there)."""
+
+
+def restore_recover_checkpoint(directory: str) -> dict[str, Any]:
+    """The restart, as verl's and AReaL's: a freshly built model, the HF load through
+    ``on_model_load``, then the distributed checkpoint over it. Where
+    ``rank0_loader.skip_hf_load_on_resume`` is on (the default) the HF load waits, and the
+    resume, which restores every parameter, replaces it. Says which, and what was not read."""
     from megastart.demo.restart import restore_checkpoint
+    from megastart.loader.settings import PLUGIN
+    from megastart.manager import get_settings
+    from megastart.restart import DEFERRALS, Deferred, last_skipped, skip_wanted
 
     build_model()
-    restore_checkpoint(_STATE["chunks"], directory)
+    model = _STATE["model"] = _Model()
+    if skip_wanted():
+        section = get_settings().section(PLUGIN)
+        deferred = Deferred(
+            host=HOST,
+            checkpoint=_STATE["checkpoint"],
+            load=load_weights,
+            chunks=lambda: _STATE["chunks"],
+            timeout_s=section.timeout_s,
+        )
+        DEFERRALS.defer(model, deferred)
+    else:
+        load_weights()
+    with DEFERRALS.resuming(model, directory, restores_optimizer=True) as skipped:
+        restore_checkpoint(_STATE["chunks"], directory)
+    skip = last_skipped() if skipped else None
+    return {
+        "hf_load": "skipped" if skip else "loaded",
+        "bytes_not_read": skip.bytes_not_read if skip else 0,
+        "parameters_restored": skip.parameters if skip else None,
+    }
 
 
 def post_recover_load(directory: str) -> dict[str, Any]:

@@ -112,7 +112,8 @@ def _megastart_run(
         "[3/4] simulated restart: Megatron distributed checkpoint saved, model rebuilt and restored"
     )
     steps("save dist checkpoint", host.save_recover_checkpoint, recover_dir)
-    steps("restore dist checkpoint", host.restore_recover_checkpoint, recover_dir)
+    restart = steps("restore dist checkpoint", host.restore_recover_checkpoint, recover_dir)[0]
+    _say(f"      {_restart_summary(restart)}")
     restored = steps("logits", host.logits, input_ids)[0]
     post = steps("post_recover_load", host.post_recover_load, recover_dir)
     first = steps("pre_first_step", host.pre_first_step)
@@ -124,6 +125,7 @@ def _megastart_run(
     result = {
         "load": load,
         "logits": check,
+        "restart": restart,
         "restored_logits_equal": bool((restored == loaded).all()),
         "hooks": hooks,
         "warmup": warmed[0][1] | {"hook": warmed[0][0]} if warmed else None,
@@ -141,6 +143,16 @@ def _megastart_run(
         f"{step['all_ranks_updated']}"
     )
     return result
+
+
+def _restart_summary(restart: dict[str, Any]) -> str:
+    if restart["hf_load"] == "skipped":
+        return (
+            f"HF load skipped: the resume restored all {restart['parameters_restored']} of rank "
+            f"0's parameters; {restart['bytes_not_read'] / 1e6:.1f} MB of the checkpoint not read "
+            "(rank0_loader.skip_hf_load_on_resume)"
+        )
+    return "HF load run before the resume (rank0_loader.skip_hf_load_on_resume is off)"
 
 
 def _baseline_run(

@@ -105,6 +105,15 @@ def test_demo_table_png_and_json_exist_and_agree(tiny_checkpoint: Path, tmp_path
     assert ours["load"]["plugin"] == "rank0_loader"
     assert ours["logits"]["match"] and ours["logits"]["max_abs_diff"] <= 1e-3
     assert ours["restored_logits_equal"]
+    # The restart's HF load waited for the resume, which restored every parameter: not read.
+    restart = ours["restart"]
+    assert restart["hf_load"] == "skipped" and restart["parameters_restored"] > 0
+    assert restart["bytes_not_read"] == sum(
+        f.stat().st_size for f in tiny_checkpoint.glob("*.safetensors")
+    )
+    assert f"HF load skipped: the resume restored all {restart['parameters_restored']}" in (
+        proc.stdout
+    )
     assert ours["warmup"]["hook"] == "post_recover_load"
     # Once per process: pre_first_step found the communicators warm.
     assert "comm_warmup" in ours["hooks"]["pre_first_step"]["plugins"]
@@ -211,10 +220,19 @@ def test_blocked_warmup_is_not_run_and_the_demo_says_so(
     proc = megastart_demo(
         "--checkpoint", str(tiny_checkpoint), "--ranks", "2", "--tp", "2", "--pp", "1",
         "--out", str(tmp_path), "--no-plot",
-        env={"MEGASTART_BLOCKLIST": "comm_warmup", "MEGASTART_RANK0_LOADER_BUCKET_MB": "1"},
+        env={
+            "MEGASTART_BLOCKLIST": "comm_warmup",
+            "MEGASTART_RANK0_LOADER_BUCKET_MB": "1",
+            "MEGASTART_RANK0_LOADER_SKIP_HF_LOAD_ON_RESUME": "0",
+        },
     )  # fmt: skip
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     results = json.loads((tmp_path / "megastart-demo.json").read_text())
+    # With the skip off, the restart loads the HF checkpoint, then the resume over it.
+    assert results["megastart"]["restart"]["hf_load"] == "loaded"
+    assert "HF load run before the resume (rank0_loader.skip_hf_load_on_resume is off)" in (
+        proc.stdout
+    )
     assert not (tmp_path / "megastart-demo.png").exists() and "png" not in results
     ours = results["megastart"]
     assert ours["warmup"] is None
