@@ -112,7 +112,7 @@ def test_demo_table_png_and_json_exist_and_agree(tiny_checkpoint: Path, tmp_path
         f.stat().st_size for f in tiny_checkpoint.glob("*.safetensors")
     )
     assert f"HF load skipped: the resume restored all {restart['parameters_restored']}" in (
-        proc.stdout
+        proc.stderr
     )
     assert ours["warmup"]["hook"] == "post_recover_load"
     # Once per process: pre_first_step found the communicators warm.
@@ -231,7 +231,7 @@ def test_blocked_warmup_is_not_run_and_the_demo_says_so(
     # With the skip off, the restart loads the HF checkpoint, then the resume over it.
     assert results["megastart"]["restart"]["hf_load"] == "loaded"
     assert "HF load run before the resume (rank0_loader.skip_hf_load_on_resume is off)" in (
-        proc.stdout
+        proc.stderr
     )
     assert not (tmp_path / "megastart-demo.png").exists() and "png" not in results
     ours = results["megastart"]
