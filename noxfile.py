@@ -118,6 +118,11 @@ def lint(session: nox.Session) -> None:
     session.run("mypy")
 
 
+PRELOADED = ("-p", "support.preloaded")
+"""The core suite's ranks fork from a server that imported torch and Megatron once
+(tests/support/preloaded.py): it starts a fresh world per test module and per rank it kills."""
+
+
 @session
 def tests(session: nox.Session) -> None:
     """The core suite: plugin manager, settings, loader, warmup, demo (CPU, gloo); not the
@@ -127,7 +132,8 @@ def tests(session: nox.Session) -> None:
     # tests/gpu needs a GPU and Transformer Engine: tests/gpu/run on the GPU machine
     ignored = ("--ignore=tests/hosts", "--ignore=tests/gpu")
     # the slowest tests, in CI's log: the suite takes most of CI's time
-    session.run("pytest", *(session.posargs or ["tests", *ignored, "-q", "--durations=25"]))
+    selected = session.posargs or ["tests", *ignored, "-q", "--durations=25"]
+    session.run("pytest", *PRELOADED, *selected)
 
 
 MEGATRON_CORES = ("0.17.1", "0.18.2", "0.19.2")
@@ -156,7 +162,7 @@ def megatron(session: nox.Session) -> None:
     session.install(TORCH, "-e", ".", "pytest", "transformers")  # what the subset imports
     for core in MEGATRON_CORES:
         pip_install(session, "--ignore-requires-python", "--no-deps", f"megatron-core=={core}")
-        session.run("pytest", *(session.posargs or [*MEGATRON_SUBSET, "-q"]))
+        session.run("pytest", *PRELOADED, *(session.posargs or [*MEGATRON_SUBSET, "-q"]))
 
 
 MODELOPT_NEEDS = ("ninja", "nvidia-ml-py", "pulp", "scipy", "requests")

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
+from support.pyrun import run_python
 
 from megastart.harness.launch import RankFailure, RankPool, run_ranks
 
@@ -104,6 +107,38 @@ def test_close_leaves_no_process_behind() -> None:
         if "spawn_main" in " ".join(child.cmdline())
     ]
     assert not workers
+
+
+def imported(module: str) -> bool:
+    return module in sys.modules
+
+
+def test_ranks_of_a_preloading_server_hold_its_modules_before_their_first_task() -> None:
+    """preload_ranks: the ranks fork from a server that imported the modules (``tabnanny``
+    here, which nothing else imports), the pool's ``env`` still reaches each rank, and a call
+    naming other modules is refused."""
+    assert run_ranks(1, imported, "tabnanny") == [False]  # not what a rank imports by itself
+    here = Path(__file__).parent
+    out = run_python(
+        f"""
+        import sys
+        sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]
+        from megastart.harness.launch import RankPool, preload_ranks
+        from test_launch import imported, read_env
+
+        preload_ranks("tabnanny")
+        try:
+            preload_ranks("json")
+        except RuntimeError as e:
+            print("refused:", e)
+        with RankPool(2, env={{"MEGASTART_TEST_VALUE": "set"}}) as pool:
+            print(pool.run(imported, "tabnanny"), pool.run(read_env, "MEGASTART_TEST_VALUE"))
+        """
+    ).stdout.splitlines()
+    assert out == [
+        "refused: preload_ranks('json',): this process preloads ('tabnanny',) already",
+        "[True, True] ['set', 'set']",
+    ]
 
 
 def test_env_reaches_each_rank() -> None:

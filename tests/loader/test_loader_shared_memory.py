@@ -92,13 +92,13 @@ def test_the_readers_node_copies_from_the_files_and_the_other_node_from_shared_m
 
 KILLED = [
     ("reader", "page_cache"),
+    ("reader_node_rank", "page_cache"),
+    ("reader", "shared_memory"),
     ("reader_node_rank", "shared_memory"),
     ("relay", "page_cache"),
     ("second_node_rank", "page_cache"),
 ]
-"""Who dies, and the reader's node's route (it matters to ranks 0 and 1 only): each role once,
-the reader on the default route, its node's other rank holding that node's segment. A case
-costs a fresh world (half a minute on two cores)."""
+"""Who dies, and the reader's node's route (it matters to ranks 0 and 1 only)."""
 RANK_OF = {"reader": 0, "reader_node_rank": 1, "relay": 2, "second_node_rank": 3}
 
 
