@@ -95,20 +95,18 @@ def restore_recover_checkpoint(directory: str) -> dict[str, Any]:
     ``rank0_loader.skip_hf_load_on_resume`` is on (the default) the HF load waits, and the
     resume, which restores every parameter, replaces it. Says which, and what was not read."""
     from megastart.demo.restart import restore_checkpoint
-    from megastart.loader.settings import PLUGIN
-    from megastart.manager import get_settings
+    from megastart.loader.settings import resolved
     from megastart.restart import DEFERRALS, Deferred, last_skipped, skip_wanted
 
     build_model()
-    model = _STATE["model"] = _Model()
+    model = _Model()
     if skip_wanted():
-        section = get_settings().section(PLUGIN)
         deferred = Deferred(
             host=HOST,
             checkpoint=_STATE["checkpoint"],
             load=load_weights,
             chunks=lambda: _STATE["chunks"],
-            timeout_s=section.timeout_s,
+            timeout_s=resolved().timeout_s,
         )
         DEFERRALS.defer(model, deferred)
     else:
