@@ -26,12 +26,11 @@ def skip_wanted() -> bool:
     AReaL's ``skip_hf_load_on_recover`` (deprecated) given alone is honoured, with one
     warning; given with ``skip_hf_load_on_resume`` and disagreeing, both are refused.
     """
-    from megastart.loader.settings import PLUGIN, Rank0LoaderSettings
+    from megastart.loader.settings import resolved
     from megastart.manager import get_settings
 
     settings = get_settings()
-    section = settings.sections.get(PLUGIN) or Rank0LoaderSettings()
-    wanted: bool = section.skip_hf_load_on_resume
+    wanted: bool = resolved().skip_hf_load_on_resume
     given = settings.sources.get(SETTING, "default") != "default"
     if settings.sources.get(DEPRECATED, "default") == "default":
         return wanted
